@@ -1,0 +1,62 @@
+# Two commands do everything on a fresh machine with python3, pip and apt: `make demo`, `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PKGS := schema sim router diagnostics instrumentation exporters dashboards alerts cli demo
+APT_PACKAGES := prometheus redis-server chromium
+
+.PHONY: demo test lint typecheck pytest venv test-deps sysdeps vllm-env generate check-generated clean bench
+
+$(BIN)/kvdiag: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[otel,analysis,dashboards]'
+	touch $@
+
+venv: $(BIN)/kvdiag
+
+demo: venv
+	$(BIN)/kvdiag demo
+
+$(VENV)/.test-deps: $(BIN)/kvdiag requirements-test.txt constraints.txt
+	$(BIN)/pip install -q -c constraints.txt -r requirements-test.txt
+	touch $@
+
+test-deps: $(VENV)/.test-deps
+
+# System packages the tests start themselves (Redis, Prometheus/promtool, headless Chromium).
+sysdeps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+# Symlinked view of the repository as the `kvdiag` package, for mypy (the editable install uses
+# an import hook that type checkers cannot follow).
+build/pkg/kvdiag: Makefile
+	rm -rf build/pkg && mkdir -p build/pkg/kvdiag
+	ln -s ../../../__init__.py ../../../py.typed build/pkg/kvdiag/
+	for p in $(PKGS); do ln -s ../../../$$p build/pkg/kvdiag/$$p; done
+
+lint: test-deps
+	$(BIN)/ruff check .
+
+typecheck: test-deps build/pkg/kvdiag
+	$(BIN)/mypy -p kvdiag
+
+pytest: test-deps sysdeps
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test: lint typecheck pytest
+
+generate: venv
+	$(BIN)/python -m kvdiag.dashboards.build --out dashboards
+	$(BIN)/python -m kvdiag.alerts.build --out alerts/kvdiag-alerts.yaml
+	$(BIN)/python -m kvdiag.schema.docs --out docs/metrics.md
+
+clean:
+	rm -rf $(VENV) build .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Prometheus alert rules as code; the generated YAML is committed beside them."""

@@ -1,0 +1,1 @@
+"""The thin click CLI: parse options, call the library, print."""

@@ -1,0 +1,1 @@
+"""`kvdiag demo`: start P, D and the router on loopback, run a workload, summarize."""

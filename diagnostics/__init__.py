@@ -1,0 +1,1 @@
+"""Log parsers, the correlator and the verdict classifier behind explain, report and advise."""

@@ -1,0 +1,1 @@
+"""Exporters: Prometheus registries from the catalog, OpenTelemetry spans, JSON-lines and Parquet sinks."""

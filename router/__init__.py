@@ -1,0 +1,1 @@
+"""The instrumented, stateful P/D router for bidirectional KV reuse."""

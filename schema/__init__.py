@@ -1,0 +1,1 @@
+"""Single sources of truth: the event schema, the verdict names and the metric catalog."""
