@@ -24,6 +24,13 @@ $(VENV)/.test-deps: $(BIN)/kvdiag requirements-test.txt constraints.txt
 
 test-deps: $(VENV)/.test-deps
 
+# The real vLLM + NIXL (CPU) environment the connector tests run against: pinned, no GPU deps.
+$(VENV)/.vllm-env: $(VENV)/.test-deps requirements-vllm.txt constraints.txt
+	$(BIN)/pip install -q --no-deps -c constraints.txt -r requirements-vllm.txt
+	touch $@
+
+vllm-env: $(VENV)/.vllm-env
+
 # System packages the tests start themselves (Redis, Prometheus/promtool, headless Chromium).
 sysdeps:
 	@missing=""; \
@@ -48,7 +55,7 @@ lint: test-deps
 typecheck: test-deps build/pkg/kvdiag
 	$(BIN)/mypy -p kvdiag
 
-pytest: test-deps sysdeps
+pytest: test-deps sysdeps vllm-env
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test: lint typecheck pytest
@@ -57,6 +64,12 @@ generate: venv
 	$(BIN)/python -m kvdiag.dashboards.build --out dashboards
 	$(BIN)/python -m kvdiag.alerts.build --out alerts/kvdiag-alerts.yaml
 	$(BIN)/python -m kvdiag.schema.docs --out docs/metrics.md
+
+# CI gate (kubernetes-mixin style): regenerating must not change the committed files; then lint the rules.
+check-generated: generate sysdeps
+	git diff --exit-code -- dashboards alerts docs/metrics.md
+	promtool check rules alerts/kvdiag-alerts.yaml
+	promtool test rules tests/promtool/*.yaml
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache

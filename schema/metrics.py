@@ -56,7 +56,7 @@ class MetricSpec:
 
 _OUTCOMES: Final = tuple(v.value for v in Verdict)
 MISSING_METADATA_REASONS: Final = ("not_streamed", "bidirectional_off_on_decode", "aborted",
-                                   "client_disconnected", "decode_failed", "unknown")
+                                   "client_disconnected", "decode_failed", "prefill_failed", "unknown")
 UPSTREAM_LEGS: Final = ("prefill", "decode")
 UPSTREAM_ERROR_KINDS: Final = ("connect", "timeout", "http_5xx", "http_4xx", "malformed", "stream_broken")
 EVICTION_REASONS: Final = ("capacity", "ttl")
@@ -116,6 +116,11 @@ CATALOG: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("kvdiag_store_capacity", "gauge", "Maximum handles the store holds before LRU eviction."),
     MetricSpec("kvdiag_store_evictions", "counter", "Handles dropped by the store, by reason.",
                labels=("reason",), label_values=(("reason", EVICTION_REASONS),)),
+    MetricSpec("kvdiag_store_errors", "counter",
+               "Conversation-store operations that failed (the turn went on without reuse), by operation.",
+               labels=("op",), label_values=(("op", ("claim", "complete", "release", "size")),)),
+    MetricSpec("kvdiag_client_params_dropped", "counter",
+               "Requests whose client-supplied kv_transfer_params the router dropped (never trusted)."),
     MetricSpec("kvdiag_router_entry_ttl_seconds", "gauge", "The router's handle TTL.", unit="seconds"),
     MetricSpec("kvdiag_decoder_kv_blocks_ttl_seconds", "gauge",
                "decoder_kv_blocks_ttl the router was configured with (D's block retention).", unit="seconds"),

@@ -1,0 +1,152 @@
+"""`kvdiag report` over ~1 GB of logs against DuckDB's raw scan of the same files (BENCHMARKS.md).
+
+Two data sets:
+
+* ``events``: kvdiag event logs only (client.jsonl + router-events.jsonl from the synthetic
+  generator), the instrumented deployment: report takes the DuckDB fast path.
+* ``mixed`` (optional, ``--mixed DIR``, e.g. ``benchmarks/data/1024MB`` from gen_logs.py): stock vLLM,
+  proxy and client-stats logs plus events: report runs explain's full parser (cold), the
+  ``events_only`` option, and the Parquet cache (warm).
+
+The baseline is DuckDB reading every field of every record of the same files into a table
+(``CREATE TABLE AS SELECT * FROM read_json_auto(...)``; text logs via ``read_csv`` one column per
+line). Figures are wall-clock seconds, best of ``--repeat`` runs, in one process, on a warm page cache.
+
+    .venv/bin/python benchmarks/report_bench.py --size-mb 1024
+    .venv/bin/python benchmarks/report_bench.py --size-mb 1024 --mixed benchmarks/data/1024MB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import duckdb
+
+from kvdiag.diagnostics.detect import detect, expand_paths
+from kvdiag.diagnostics.report import build_report, load_turn_table
+from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
+
+BATCH = 4000  # conversations per generator batch (bounded memory)
+
+
+def generate(out: Path, size_mb: int) -> list[Path]:
+    """Write client.jsonl and router-events.jsonl totalling about ``size_mb`` MB."""
+    out.mkdir(parents=True, exist_ok=True)
+    client, router = out / "client.jsonl", out / "router-events.jsonl"
+    target = size_mb * 1_000_000
+    with client.open("w", encoding="utf-8") as fc, router.open("w", encoding="utf-8") as fr:
+        seed = 0
+        while fc.tell() + fr.tell() < target:
+            convs = synthetic_conversations(SynthParams(conversations=BATCH, seed=seed))
+            for c in convs:  # keep ids unique across batches
+                c.conversation_id = f"b{seed}-{c.conversation_id}"
+                for t in c.turns:
+                    t.request_id = f"b{seed}-{t.request_id}"
+            fc.writelines(line + "\n" for line in client_events(convs))
+            fr.writelines(line + "\n" for line in router_events(convs))
+            seed += 1
+    return [client, router]
+
+
+def best(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def duckdb_raw_scan(files: list[str]) -> None:
+    """DuckDB materializing every record of the inputs (the baseline)."""
+    con = duckdb.connect()
+    try:
+        json_files = [f.path for f in detect(files) if f.fmt in ("events",)]
+        other = [f.path for f in detect(files) if f.fmt not in ("events",)]
+        if json_files:
+            con.execute("CREATE TABLE j AS SELECT * FROM read_json_auto($f, format = 'newline_delimited', "
+                        "union_by_name = true)", {"f": json_files})
+        if other:
+            con.execute("CREATE TABLE t AS SELECT * FROM read_csv($f, columns = {'line': 'VARCHAR'}, header = false, "
+                        "delim = '\\x01', quote = '', escape = '', strict_mode = false)", {"f": other})
+    finally:
+        con.close()
+
+
+def report_once(files: list[str], *, cache_dir: Path | None = None, events_only: bool = False) -> int:
+    df = load_turn_table(files, cache_dir=cache_dir, events_only=events_only)
+    build_report(df, 480.0)
+    return len(df)
+
+
+def cli_once(paths: list[str], extra: list[str]) -> float:
+    exe = Path(sys.executable).with_name("kvdiag")
+    t0 = time.perf_counter()
+    subprocess.run([str(exe), "report", *paths, "--decoder-ttl", "480", "--no-progress", *extra], check=True,
+                   stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def size_mb(files: list[str]) -> float:
+    return sum(os.path.getsize(f) for f in files) / 1e6
+
+
+def run(name: str, paths: list[str], repeat: int, mixed: bool) -> dict[str, object]:
+    files = expand_paths(paths)
+    res: dict[str, object] = {"data": name, "files": len(files), "mb": round(size_mb(files), 1)}
+    res["duckdb_raw_scan_s"] = round(best(lambda: duckdb_raw_scan(files), repeat), 2)
+    if mixed:
+        t0 = time.perf_counter()
+        res["turns"] = report_once(files)
+        res["report_full_parse_s"] = round(time.perf_counter() - t0, 2)  # once: minutes, not seconds
+        res["report_events_only_s"] = round(best(lambda: report_once(files, events_only=True), repeat), 2)
+    else:
+        res["turns"] = report_once(files)
+        res["report_cold_s"] = round(best(lambda: report_once(files), repeat), 2)
+    cache = Path(tempfile.mkdtemp(prefix="kvdiag-bench-cache-"))
+    try:
+        report_once(files, cache_dir=cache, events_only=mixed)
+        res["report_cached_s"] = round(best(lambda: report_once(files, cache_dir=cache, events_only=mixed), repeat),
+                                       2)
+        res["cli_cold_s"] = round(cli_once(paths, ["--no-cache", *(["--events-only"] if mixed else [])]), 2)
+        res["cli_cached_s"] = round(cli_once(paths, ["--cache-dir", str(cache),
+                                                     *(["--events-only"] if mixed else [])]), 2)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    base = float(res["duckdb_raw_scan_s"])  # type: ignore[arg-type]
+    for key in [k for k in res if k.startswith(("report_", "cli_"))]:
+        res[key.replace("_s", "_ratio")] = round(float(res[key]) / base, 2)  # type: ignore[arg-type]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=int, default=1024, help="Size of the generated event data set.")
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "kvdiag-report-bench")
+    ap.add_argument("--reuse", action="store_true", help="Reuse an existing generated data set in --dir.")
+    ap.add_argument("--mixed", type=Path, help="Also run over this gen_logs.py data set (stock + events).")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    if not (args.reuse and (args.dir / "router-events.jsonl").exists()):
+        t0 = time.perf_counter()
+        generate(args.dir, args.size_mb)
+        print(f"generated {args.dir} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    print(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), "
+                                 f"Python {platform.python_version()}, duckdb {duckdb.__version__}"}))
+    print(json.dumps(run("events", [str(args.dir)], args.repeat, mixed=False)))
+    if args.mixed:
+        print(json.dumps(run("mixed", [str(args.mixed)], args.repeat, mixed=True)))
+
+
+if __name__ == "__main__":
+    main()

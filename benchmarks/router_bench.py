@@ -1,0 +1,409 @@
+"""Router overhead benchmark: direct P/D calls vs the same turns through ``kvdiag router``, in one run.
+
+Starts an emulated P and D with zero model delay (``kvdiag sim ... --time-scale 0``) and the router
+(``kvdiag router``, uvloop, events file on) as subprocesses, then drives multi-turn conversations
+with aiohttp. The *direct* client does what the example proxy does (P non-streaming with the
+previous turn's D handle, then D streaming, capture D's handle); the *router* client sends one
+streaming request with a ``conversation_id``. Direct and routed turns are interleaved so both see
+the same machine load. Added latency = routed percentile − direct percentile (turn start to the
+last byte). CPU per turn is the router process's user+system time over the phase ÷ turns.
+
+Usage::
+
+    .venv/bin/python benchmarks/router_bench.py            # all phases, ~1-2 min
+    .venv/bin/python benchmarks/router_bench.py --quick    # shorter phases
+    .venv/bin/python benchmarks/router_bench.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+VENV_BIN = Path(sys.executable).parent
+KVDIAG = str(VENV_BIN / "kvdiag")
+CHAT = "/v1/chat/completions"
+MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}
+MAX_TOKENS = 16
+TURNS_PER_CONVERSATION = 5
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------------------- stub backend
+def _stub_frame(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _serve_stub(ready: Path) -> None:
+    """A canned P+D (one process): what vLLM sends, at almost no CPU cost, to isolate the router's cost."""
+    from aiohttp import web
+
+    counter = {"n": 0}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rid = request.headers.get("X-Request-Id", "x")
+        counter["n"] += 1
+        if not body.get("stream"):
+            params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+                      "remote_engine_id": "stub-p", "remote_request_id": f"chatcmpl-{rid}-00000000",
+                      "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1, "remote_num_tokens": 40}
+            return web.json_response({"id": f"chatcmpl-{rid}", "object": "chat.completion", "model": "m",
+                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
+                                                   "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+                                                "prompt_tokens_details": {"cached_tokens": 0}},
+                                      "kv_transfer_params": params})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "model": "m"}
+        await resp.write(_stub_frame({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                          "finish_reason": None}]}))
+        for i in range(MAX_TOKENS):
+            await resp.write(_stub_frame({**head, "choices": [{"index": 0, "delta": {"content": f" t{i}"},
+                                                              "finish_reason": None}]}))
+        final = {**head, "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "length"}],
+                 "kv_transfer_params": {"do_remote_prefill": False, "do_remote_decode": True,
+                                        "remote_block_ids": [[4, 5, 6]], "remote_engine_id": "stub-d",
+                                        "remote_request_id": f"chatcmpl-{rid}-11111111", "remote_host": "127.0.0.1",
+                                        "remote_port": 2, "tp_size": 1, "remote_num_tokens": 57,
+                                        "remote_blocks_expiry_time": 1e9}}
+        await resp.write(_stub_frame(final))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post(CHAT, handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    ports = []
+    for _ in range(2):  # one port as P, one as D (same process)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+    for address in runner.addresses:
+        ports.append(int(address[1]))
+    tmp = ready.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"ports": ports}))
+    tmp.replace(ready)
+    await asyncio.Event().wait()
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def _spawn(args: list[str], ready: Path, log: Path) -> subprocess.Popen[bytes]:
+    fh = log.open("wb")
+    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{' '.join(args)} did not start; see {log}")
+        time.sleep(0.05)
+    return proc
+
+
+@contextlib.contextmanager
+def processes(tmp: Path, backend: str) -> Iterator[dict[str, Any]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        info: dict[str, Any] = {}
+        if backend == "sim":
+            for role in ("prefill", "decode"):
+                ready = tmp / f"{role}.ready"
+                procs.append(_spawn([KVDIAG, "sim", role, "--port", "0", "--ready-file", str(ready), "--time-scale",
+                                     "0", "--mode", "instrumented", "--no-prefix-caching", "--num-blocks", "200000"],
+                                    ready, tmp / f"{role}.out"))
+                info[role] = json.loads(ready.read_text())
+        else:
+            ready = tmp / "stub.ready"
+            procs.append(_spawn([sys.executable, __file__, "--serve-stub", str(ready)], ready, tmp / "stub.out"))
+            ports = json.loads(ready.read_text())["ports"]
+            info["prefill"], info["decode"] = {"port": ports[0]}, {"port": ports[1]}
+        ready = tmp / "router.ready"
+        router = _spawn([KVDIAG, "router", "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+                         "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(info["prefill"]["port"]),
+                         "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(info["decode"]["port"]),
+                         "--events-file", str(tmp / "router-events.jsonl")], ready, tmp / "router.out")
+        procs.append(router)
+        info["router"] = json.loads(ready.read_text())
+        info["router_pid"] = router.pid
+        yield info
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# ---------------------------------------------------------------------------------------------- clients
+@dataclass
+class Conversation:
+    cid: str
+    messages: list[dict[str, Any]]
+    handle: dict[str, Any] | None = None
+    turns: int = 0
+
+
+def _new_conversation(n: int) -> Conversation:
+    return Conversation(f"bench-{n}-{random.getrandbits(32):08x}",
+                        [{"role": "user", "content": f"Conversation {n}: summarise the design of a router. " * 4}])
+
+
+def _advance(conv: Conversation, reply: str) -> None:
+    conv.turns += 1
+    if conv.turns >= TURNS_PER_CONVERSATION:
+        conv.messages, conv.handle, conv.turns = _new_conversation(random.getrandbits(20)).messages, None, 0
+        conv.cid = f"bench-{random.getrandbits(48):012x}"
+        return
+    conv.messages = [*conv.messages, {"role": "assistant", "content": reply},
+                     {"role": "user", "content": f"turn {conv.turns + 1}: go on"}]
+
+
+def _parse_stream(raw: bytes) -> tuple[str, dict[str, Any] | None]:
+    text, params = "", None
+    for frame in raw.split(b"\n\n"):
+        if not frame.startswith(b"data: {"):
+            continue
+        if b"kv_transfer_params" in frame:
+            params = json.loads(frame[6:]).get("kv_transfer_params")
+        else:
+            obj = json.loads(frame[6:])
+            for ch in obj.get("choices", []):
+                text += (ch.get("delta") or {}).get("content") or ""
+    return text, params
+
+
+async def direct_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, conv: Conversation) -> float:
+    """The example proxy's work done by the client: P then D, carrying D's handle. Returns seconds."""
+    started = time.perf_counter()
+    rid = os.urandom(16).hex()
+    params = dict(conv.handle, do_remote_decode=True, do_remote_prefill=False) if conv.handle else dict(MISS)
+    body = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": params}
+    async with session.post(p_url + CHAT, json=body, headers={"X-Request-Id": rid}) as resp:
+        p_body = await resp.json()
+    p_params = dict(p_body.get("kv_transfer_params") or {})
+    p_params.pop("kvdiag", None)
+    body = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "max_tokens": MAX_TOKENS, "stream": True,
+            "kv_transfer_params": p_params}
+    async with session.post(d_url + CHAT, json=body, headers={"X-Request-Id": rid}) as resp:
+        raw = await resp.read()
+    elapsed = time.perf_counter() - started
+    reply, conv.handle = _parse_stream(raw)
+    _advance(conv, reply)
+    return elapsed
+
+
+async def router_turn(session: aiohttp.ClientSession, r_url: str, conv: Conversation) -> float:
+    """One streaming turn through the router. Returns seconds."""
+    started = time.perf_counter()
+    body = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "max_tokens": MAX_TOKENS, "stream": True,
+            "conversation_id": conv.cid}
+    async with session.post(r_url + CHAT, json=body) as resp:
+        raw = await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"router answered {resp.status}: {raw[:200]!r}")
+    elapsed = time.perf_counter() - started
+    reply, _ = _parse_stream(raw)
+    _advance(conv, reply)
+    return elapsed
+
+
+@dataclass
+class Phase:
+    name: str
+    direct: list[float] = field(default_factory=list)
+    routed: list[float] = field(default_factory=list)
+    errors: int = 0
+    router_cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        def pct(xs: list[float], q: float) -> float:
+            xs = sorted(xs)
+            return xs[min(int(q * len(xs)), len(xs) - 1)] * 1000 if xs else float("nan")
+
+        out: dict[str, Any] = {"phase": self.name, "turns_direct": len(self.direct), "turns_routed": len(self.routed),
+                               "errors": self.errors, "wall_s": round(self.wall_s, 2)}
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            d, r = pct(self.direct, q), pct(self.routed, q)
+            out[f"direct_{label}_ms"] = round(d, 3)
+            out[f"router_{label}_ms"] = round(r, 3)
+            out[f"added_{label}_ms"] = round(r - d, 3)
+        if self.routed:
+            out["router_cpu_ms_per_turn"] = round(self.router_cpu_s / len(self.routed) * 1000, 3)
+            out["routed_turns_per_s"] = round(len(self.routed) / self.wall_s, 1) if self.wall_s else None
+        return out
+
+
+SLICE_S = 1.0  # direct and routed traffic alternate in slices of this length, so both see the same load
+
+
+async def open_loop(phase: Phase, rate: float, seconds: float, run_direct: Callable[[Conversation], Awaitable[float]],
+                    run_routed: Callable[[Conversation], Awaitable[float]], pid: int) -> None:
+    """``rate`` turns/s for ``seconds``: alternating 1 s slices of direct and routed turns (``seconds`` each)."""
+    idle: dict[str, list[Conversation]] = {"d": [], "r": []}
+    tasks: set[asyncio.Task[None]] = set()
+    counter = 0
+    cpu = 0.0
+
+    async def one(kind: str) -> None:
+        nonlocal counter
+        pool = idle[kind]
+        if pool:
+            conv = pool.pop()
+        else:
+            counter += 1
+            conv = _new_conversation(counter)
+        try:
+            if kind == "d":
+                phase.direct.append(await run_direct(conv))
+            else:
+                phase.routed.append(await run_routed(conv))
+        except Exception:
+            phase.errors += 1
+        pool.append(conv)
+
+    interval = 1.0 / rate
+    per_slice = max(int(rate * SLICE_S), 1)
+    routed_wall = 0.0
+    for n_slice in range(int(2 * seconds / SLICE_S)):
+        kind = "d" if n_slice % 2 == 0 else "r"
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        for i in range(per_slice):
+            delay = t0 + i * interval - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.get_running_loop().create_task(one(kind))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        while tasks:
+            await asyncio.gather(*list(tasks))
+        if kind == "r":
+            cpu += cpu_seconds(pid) - cpu0
+            routed_wall += time.perf_counter() - t0
+    phase.wall_s = routed_wall
+    phase.router_cpu_s = cpu
+
+
+async def closed_loop(phase: Phase, workers: int, seconds: float,
+                      run: Callable[[Conversation], Awaitable[float]], sink: list[float], pid: int) -> None:
+    """``workers`` concurrent clients, each sending its next turn as soon as the last one ends."""
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(n: int) -> None:
+        conv = _new_conversation(n)
+        while time.perf_counter() < stop_at:
+            try:
+                sink.append(await run(conv))
+            except Exception:
+                phase.errors += 1
+
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(workers)))
+    phase.wall_s = time.perf_counter() - t0
+    phase.router_cpu_s = cpu_seconds(pid) - cpu0
+
+
+async def bench(args: argparse.Namespace, info: dict[str, Any], backend: str) -> list[dict[str, Any]]:
+    p_url = f"http://127.0.0.1:{info['prefill']['port']}"
+    d_url = f"http://127.0.0.1:{info['decode']['port']}"
+    r_url = info["router"]["url"]
+    pid = info["router_pid"]
+    scale = 0.5 if args.quick else 1.0
+    connector = aiohttp.TCPConnector(limit=2000, limit_per_host=1000)
+    results = []
+
+    def report(summary: dict[str, Any]) -> None:
+        summary["backend"] = backend
+        results.append(summary)
+        print(json.dumps(summary), flush=True)
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        def run_direct(conv: Conversation) -> Awaitable[float]:
+            return direct_turn(session, p_url, d_url, conv)
+
+        def run_routed(conv: Conversation) -> Awaitable[float]:
+            return router_turn(session, r_url, conv)
+
+        await open_loop(Phase("warmup"), 50, 2 * scale, run_direct, run_routed, pid)
+        for rate in (50, 200):
+            phase = Phase(f"open loop {rate} turns/s")
+            await open_loop(phase, rate, 6 * scale, run_direct, run_routed, pid)
+            report(phase.summary())
+        phase = Phase("100 concurrent streams")
+        for _ in range(2):  # alternate, so both see the same conditions
+            direct = Phase("direct slice")
+            await closed_loop(direct, 100, 2 * scale, run_direct, phase.direct, pid)
+            routed = Phase("routed slice")
+            await closed_loop(routed, 100, 2 * scale, run_routed, phase.routed, pid)
+            phase.errors += direct.errors + routed.errors
+            phase.router_cpu_s += routed.router_cpu_s
+            phase.wall_s += routed.wall_s
+        report(phase.summary())
+        for kind, run in (("direct", run_direct), ("router", run_routed)):
+            phase = Phase(f"saturation {kind} (64 clients)")
+            sink = phase.direct if kind == "direct" else phase.routed
+            await closed_loop(phase, 64, 4 * scale, run, sink, pid)
+            summary = phase.summary()
+            summary["turns_per_s"] = round(len(sink) / phase.wall_s, 1)
+            report(summary)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="halve every phase")
+    parser.add_argument("--backend", choices=("sim", "stub", "both"), default="both",
+                        help="sim: the emulated engines (zero delay); stub: canned P/D to isolate the router")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--serve-stub", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    try:
+        import uvloop
+        runner: Callable[[Any], Any] = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    if args.serve_stub is not None:
+        runner(_serve_stub(args.serve_stub))
+        return
+    results: list[dict[str, Any]] = []
+    backends = ("sim", "stub") if args.backend == "both" else (args.backend,)
+    for backend in backends:
+        with tempfile.TemporaryDirectory(prefix="kvdiag-router-bench-") as tmp, processes(Path(tmp), backend) as info:
+            results += runner(bench(args, info, backend))
+    cpu = [r["router_cpu_ms_per_turn"] for r in results if r.get("router_cpu_ms_per_turn")]
+    meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+            "loadavg_at_end": os.getloadavg(), "median_router_cpu_ms_per_turn": statistics.median(cpu) if cpu else None}
+    print(json.dumps(meta))
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

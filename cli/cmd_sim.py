@@ -1,0 +1,139 @@
+"""``kvdiag sim prefill|decode|calibrate``: the GPU-free P/D testbed engines (thin CLI over kvdiag.sim)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import click
+
+from kvdiag.sim.config import ConfigError, EngineConfig
+from kvdiag.sim.faults import POLICIES, FaultError, parse_fail_transfers
+from kvdiag.sim.server import serve
+from kvdiag.sim.timemodel import PROFILES, UnknownProfile, calibrate
+
+
+@click.group("sim")
+def sim() -> None:
+    """Emulated vLLM prefill/decode engines (no GPU, no model) and their time model."""
+
+
+def _engine_options(fn: Any) -> Any:
+    options = [
+        click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback)."),
+        click.option("--port", type=int, default=0, show_default=True, help="OpenAI API port (0 = a free one)."),
+        click.option("--side-channel-port", type=int, default=0, show_default=True,
+                     help="NIXL side-channel port (remote_port in kv_transfer_params; 0 = a free one)."),
+        click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+                     help="Write {port, side_channel_port, pid, engine_id} here once listening."),
+        click.option("--model", default="Qwen/Qwen3-32B", show_default=True, help="Served model name."),
+        click.option("--engine-id", default=None, help="NIXL engine id (default: a random uuid4)."),
+        click.option("--no-bidirectional", is_flag=True, help="bidirectional_kv_xfer off (default on)."),
+        click.option("--kv-recompute-threshold", type=int, default=None,
+                     help="Tokens; default 64 with bidirectional, else 0 (vLLM's default)."),
+        click.option("--decoder-kv-blocks-ttl", type=float, default=480.0, show_default=True,
+                     help="Seconds D holds a finished request's blocks (fixed, not renewed)."),
+        click.option("--kv-lease-duration", type=float, default=30.0, show_default=True,
+                     help="Seconds P holds blocks for D's P->D read."),
+        click.option("--no-prefix-caching", is_flag=True, help="Prefix caching off (the article's P)."),
+        click.option("--kv-load-failure-policy", type=click.Choice(POLICIES), default="fail", show_default=True),
+        click.option("--hang-on-recompute", is_flag=True,
+                     help="With policy recompute, reproduce vLLM 0.33's hang in WAITING_FOR_REMOTE_KVS."),
+        click.option("--no-stream-kv-params", is_flag=True,
+                     help="Streamed responses carry no kv_transfer_params (vLLM without PR #40186)."),
+        click.option("--fail-transfers", default="", metavar="TYPE[:RATE],...",
+                     help="Inject NIXL failures: handshake_setup_failed, handshake_failed, transfer_failed, "
+                          "transfer_setup_failed, notification_failed."),
+        click.option("--fail-requests", type=float, default=0.0, help="Share of requests that fail (HTTP 500)."),
+        click.option("--block-size", type=int, default=16, show_default=True),
+        click.option("--num-blocks", type=int, default=16384, show_default=True, help="KV cache capacity, blocks."),
+        click.option("--profile", type=click.Choice(sorted(PROFILES)), default="qwen3-32b", show_default=True),
+        click.option("--time-scale", type=float, default=1.0, show_default=True,
+                     help="Multiply every modelled duration (0.01 for fast tests and demos)."),
+        click.option("--mode", type=click.Choice(("stock", "instrumented")), default="stock", show_default=True),
+        click.option("--log-file", type=click.Path(dir_okay=False), default=None, help="vLLM-format log file."),
+        click.option("--log-level", type=click.Choice(("DEBUG", "INFO", "WARNING", "ERROR"), case_sensitive=False),
+                     default="INFO", show_default=True),
+        click.option("--enable-log-requests", is_flag=True, help="vLLM's request logging lines."),
+        click.option("--log-stats-interval", type=float, default=10.0, show_default=True,
+                     help="Seconds between stat lines (VLLM_LOG_STATS_INTERVAL)."),
+        click.option("--events-file", type=click.Path(dir_okay=False), default=None,
+                     help="TurnEvent JSONL (instrumented mode)."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--max-tokens-default", type=int, default=16, show_default=True,
+                     help="max_tokens when a request gives none."),
+        click.option("--expiry-safety-margin", type=float, default=5.0, show_default=True, hidden=True),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _run(role: str, opts: dict[str, Any]) -> None:
+    ready_file = opts.pop("ready_file")
+    try:
+        config = EngineConfig(
+            role=role, host=opts["host"], port=opts["port"], side_channel_port=opts["side_channel_port"],
+            model=opts["model"], engine_id=opts["engine_id"], block_size=opts["block_size"],
+            num_blocks=opts["num_blocks"], bidirectional_kv_xfer=not opts["no_bidirectional"],
+            kv_recompute_threshold=opts["kv_recompute_threshold"], decoder_kv_blocks_ttl=opts["decoder_kv_blocks_ttl"],
+            kv_lease_duration=opts["kv_lease_duration"], prefix_caching=not opts["no_prefix_caching"],
+            kv_load_failure_policy=opts["kv_load_failure_policy"], hang_on_recompute=opts["hang_on_recompute"],
+            stream_kv_params=not opts["no_stream_kv_params"],
+            fail_transfers=parse_fail_transfers(opts["fail_transfers"]), fail_requests=opts["fail_requests"],
+            profile=opts["profile"], time_scale=opts["time_scale"], mode=opts["mode"], log_file=opts["log_file"],
+            log_level=opts["log_level"].upper(), enable_log_requests=opts["enable_log_requests"],
+            events_file=opts["events_file"], seed=opts["seed"], default_max_tokens=opts["max_tokens_default"],
+            expiry_safety_margin_s=opts["expiry_safety_margin"], log_stats_interval_s=opts["log_stats_interval"])
+    except (ConfigError, FaultError) as exc:
+        raise click.ClickException(f"{exc} (see `kvdiag sim {role} --help`)") from None
+    if config.events_file and not config.instrumented:
+        raise click.ClickException("--events-file needs --mode instrumented (stock mode writes only vLLM's logs)")
+    try:
+        asyncio.run(serve(config, ready_file))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {config.host}: {exc}; pick another --port or use 0") from None
+
+
+@sim.command("prefill")
+@_engine_options
+def prefill(**opts: Any) -> None:
+    """Run an emulated vLLM prefill engine (kv_producer) until SIGTERM/SIGINT."""
+    _run("prefill", opts)
+
+
+@sim.command("decode")
+@_engine_options
+def decode(**opts: Any) -> None:
+    """Run an emulated vLLM decode engine (kv_consumer) until SIGTERM/SIGINT."""
+    _run("decode", opts)
+
+
+@sim.command("calibrate")
+@click.option("--profile", type=click.Choice(sorted(PROFILES)), default="qwen3-32b", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def calibrate_cmd(profile: str, as_json: bool) -> None:
+    """Recompute the article's TTFT table from the time model; exit 1 if a row misses by more than 15%."""
+    try:
+        result = calibrate(profile)
+    except UnknownProfile as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        p = result["profile"]
+        click.echo(f"profile {p['name']}: {p['description']}; KV {p['kv_bytes_per_token']} B/token ({p['kv_shape']}); "
+                   f"new tokens per later turn = {p['new_token_share']:.0%} of the prompt")
+        click.echo(f"{'row':32} {'off art':>8} {'off sim':>8} {'err':>7} {'on art':>8} {'on sim':>8} {'err':>7} "
+                   f"{'D->P ms':>8}")
+        for r in result["rows"]:
+            click.echo(f"{r['row']:32} {r['article_ttft_off_ms']:8.0f} {r['sim_ttft_off_ms']:8.1f} "
+                       f"{r['error_off']:+7.1%} {r['article_ttft_on_ms']:8.0f} {r['sim_ttft_on_ms']:8.1f} "
+                       f"{r['error_on']:+7.1%} {r['sim_d2p_transfer_ms']:8.1f}")
+        click.echo("all rows within 15%" if result["ok"] else "some rows miss the 15% tolerance")
+    if not result["ok"]:
+        raise SystemExit(1)
+
+
+COMMANDS = (sim,)

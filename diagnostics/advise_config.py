@@ -1,0 +1,157 @@
+"""What the logs say about the deployment's configuration: TTLs, threshold, bidirectional, failure policy.
+
+A cheap line scan (substring test before any regex or JSON parse) over the same files explain
+reads. Stock vLLM logs give the startup line (threshold and decode TTL, verbatim format in
+vllm.md §3.2) and the KV-load-failure lines; the proxy log gives the router TTL on stale entries;
+kvdiag events give ``ttl_s`` and ``engine_start`` attrs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from kvdiag.diagnostics.detect import detect, role_hint
+from kvdiag.diagnostics.scan import grep_lines, grep_regex
+
+Role = Literal["prefill", "decode", "router", "client", "unknown"]
+
+STARTUP_RE: Final = re.compile(
+    r"Bidirectional KV transfer is enabled and the kv recompute threshold is set to (\d+) tokens"
+    r"(?:\.\s*KV blocks on D are released after a TTL of (\d+(?:\.\d+)?) seconds)?")
+HOLD_RE: Final = re.compile(r"request_finished\(([^)]*)\) waiting for (\d+) seconds before releasing blocks")
+FAIL_POLICY_RE: Final = re.compile(r"due to KV load failure \(failure_policy=(\w+)")
+STALE_RE: Final = re.compile(r"stale cache entry \(age=[\d.]+s > ttl=([\d.]+)s\)")
+_TTL_FIELD: Final = re.compile(rb'"ttl_s"')
+_MARKERS: Final = ("Bidirectional KV transfer is enabled", "before releasing blocks", "KV load failure",
+                   "stale cache entry", "WAITING_FOR_REMOTE_KVS")
+
+
+@dataclass
+class ConfigFact:
+    """One configuration value and the log line it was read from."""
+
+    value: Any
+    source: str
+
+
+@dataclass
+class DeploymentConfig:
+    """Configuration facts found in the logs (None: not found)."""
+
+    decoder_ttl: ConfigFact | None = None
+    router_ttl: ConfigFact | None = None
+    recompute_threshold: ConfigFact | None = None
+    bidirectional_prefill: ConfigFact | None = None
+    bidirectional_decode: ConfigFact | None = None
+    failure_policy: ConfigFact | None = None
+    recompute_hang: ConfigFact | None = None
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def guess_role(path: Path) -> Role:
+    """The log's role from its file name (prefill.log, decode-events.jsonl, proxy.log, client-stats.json)."""
+    name = path.name.lower()
+    for role, keys in (("prefill", ("prefill",)), ("decode", ("decode",)), ("router", ("router", "proxy")),
+                       ("client", ("client", "workload", "stats"))):
+        if any(k in name for k in keys):
+            return role  # type: ignore[return-value]
+    hint = role_hint(str(path))  # explain's rule: p0.log / d1.log and the like
+    return hint if hint in ("prefill", "decode") else "unknown"  # type: ignore[return-value]
+
+
+def _lines(path: Path, needles: tuple[str, ...]) -> Iterator[tuple[int, str]]:
+    # Byte-level prefilter at C speed; only matching lines are decoded and parsed.
+    for lineno, raw in grep_lines(str(path), [n.encode() for n in needles]):
+        yield lineno, raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+
+def _set(cfg: DeploymentConfig, name: str, value: Any, source: str) -> None:
+    if getattr(cfg, name) is None:
+        setattr(cfg, name, ConfigFact(value, source))
+
+
+def _from_event(cfg: DeploymentConfig, obj: dict[str, Any], role: Role, where: str) -> None:
+    source = obj.get("source") if isinstance(obj.get("source"), str) else role
+    raw_attrs = obj.get("attrs")
+    attrs: dict[str, Any] = raw_attrs if isinstance(raw_attrs, dict) else {}
+    ttl = obj.get("ttl_s")
+    if source == "router" and isinstance(ttl, int | float):
+        _set(cfg, "router_ttl", float(ttl), where)
+    if source == "decode" and isinstance(ttl, int | float):
+        _set(cfg, "decoder_ttl", float(ttl), where)
+    if obj.get("event") != "engine_start":
+        return
+    for key, target in (("decoder_kv_blocks_ttl", "decoder_ttl"), ("kv_recompute_threshold", "recompute_threshold"),
+                        ("kv_load_failure_policy", "failure_policy")):
+        if key in attrs and (key != "decoder_kv_blocks_ttl" or source == "decode"):
+            _set(cfg, target, attrs[key], where)
+    if "bidirectional_kv_xfer" in attrs and source in ("prefill", "decode"):
+        _set(cfg, f"bidirectional_{source}", bool(attrs["bidirectional_kv_xfer"]), where)
+
+
+def _from_text(cfg: DeploymentConfig, line: str, role: Role, where: str) -> None:
+    m = STARTUP_RE.search(line)
+    if m:
+        if role in ("prefill", "decode"):
+            _set(cfg, f"bidirectional_{role}", True, where)
+        if role == "prefill" or cfg.recompute_threshold is None:
+            _set(cfg, "recompute_threshold", int(m.group(1)), where)
+        if m.group(2) and role in ("decode", "unknown"):
+            _set(cfg, "decoder_ttl", float(m.group(2)), where)
+        return
+    m = HOLD_RE.search(line)
+    if m and role == "decode":
+        _set(cfg, "decoder_ttl", float(m.group(2)), where)
+        return
+    m = FAIL_POLICY_RE.search(line)
+    if m:
+        _set(cfg, "failure_policy", m.group(1), where)
+        return
+    if "Recovered from KV load failure" in line:
+        _set(cfg, "failure_policy", "recompute", where)
+    elif "WAITING_FOR_REMOTE_KVS" in line:
+        _set(cfg, "failure_policy", "recompute", where)
+        _set(cfg, "recompute_hang", True, where)
+    else:
+        m = STALE_RE.search(line)
+        if m:
+            _set(cfg, "router_ttl", float(m.group(1)), where)
+
+
+def _scan_events(cfg: DeploymentConfig, path: Path, role: Role) -> None:
+    for lineno, line in _lines(path, ('"engine_start"',)):
+        _from_json(cfg, line, role, f"{path}:{lineno}")
+    # Every router/decode event may carry ttl_s: the first one is enough. grep_regex (in-process)
+    # stops cleanly when abandoned early.
+    for lineno, raw in grep_regex(str(path), _TTL_FIELD):
+        _from_json(cfg, raw.decode("utf-8", errors="replace"), role, f"{path}:{lineno}")
+        break
+
+
+def _from_json(cfg: DeploymentConfig, line: str, role: Role, where: str) -> None:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return
+    if isinstance(obj, dict):
+        _from_event(cfg, obj, role, where)
+
+
+def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
+    """Read the configuration facts out of ``paths`` (files, globs, folders); raises LogReadError."""
+    cfg = DeploymentConfig()
+    for f in detect([str(p) for p in paths]):
+        path = Path(f.path)
+        role = guess_role(path)
+        cfg.files[f.path] = f"{f.fmt}/{role}"
+        if f.fmt == "events":
+            _scan_events(cfg, path, role)
+        elif f.fmt in ("vllm", "proxy", "unknown"):
+            for lineno, line in _lines(path, _MARKERS):
+                _from_text(cfg, line, role, f"{path}:{lineno}")
+    return cfg

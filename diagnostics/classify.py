@@ -1,0 +1,393 @@
+"""The verdict classifier: one TurnRecord per joined turn, following docs/design.md Contract 4.
+
+Instrumented logs state the outcome (router_turn merged with P's report): those verdicts are
+``confirmed``. Stock logs are read rule by rule (docs/verdicts.md says which line proves which
+verdict); a verdict deduced from absent lines is ``inferred``, and where stock logs cannot tell
+the answer is ``unknown`` naming the source that would. A wrong ``confirmed`` verdict is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvdiag.diagnostics.correlate import LogIndex, ProxyRequest, TurnFacts
+from kvdiag.diagnostics.proxy_log import ProxyRecord
+from kvdiag.diagnostics.records import Evidence, TurnRecord
+from kvdiag.diagnostics.vllm_log import VllmRecord
+from kvdiag.schema.events import TurnEvent
+from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
+
+CONFIRMED = Confidence.CONFIRMED
+INFERRED = Confidence.INFERRED
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_DECODE_TTL_S = 480
+FAILED_STATUSES = ("error", "aborted", "disconnected", "timeout", "hung")
+
+
+@dataclass
+class Context:
+    """Run-wide facts the rules need: which sources exist and the engines' settings seen in logs."""
+
+    has_client: bool
+    has_router: bool
+    has_prefill: bool
+    has_decode: bool
+    p_bidir: bool | None = None  # P logged "Bidirectional KV transfer is enabled" (None: no P log)
+    p_debug: bool = False  # P's log has DEBUG lines: every D->P decision is then logged
+    d_bidir: bool | None = None
+    decode_ttl_s: float | None = None
+    router_ttl_s: float | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @classmethod
+    def from_index(cls, index: LogIndex) -> Context:
+        """Collect the run-wide facts from everything parsed."""
+        ctx = cls(has_client=index.has("client_stats") or any(e.event.source == "client" for e in index.events),
+                  has_router=index.has("proxy") or any(e.event.source == "router" for e in index.events),
+                  has_prefill=index.has_role("prefill"), has_decode=index.has_role("decode"))
+        roles = {p: r for p, r in index.file_roles.items() if index.formats.get(p) == "vllm"}
+        if "prefill" in roles.values():
+            ctx.p_bidir = False
+        if "decode" in roles.values():
+            ctx.d_bidir = False
+        for rec in index.vllm:
+            role = index.file_roles.get(rec.path)
+            if rec.level == "DEBUG" and role == "prefill":
+                ctx.p_debug = True
+            if rec.kind == "bidir_enabled":
+                if role == "prefill":
+                    ctx.p_bidir = True
+                elif role == "decode":
+                    ctx.d_bidir = True
+                    if rec.fields.get("ttl_s") is not None:
+                        ctx.decode_ttl_s = float(rec.fields["ttl_s"])
+            elif rec.kind == "read_blocks":
+                ctx.block_size = int(rec.fields["block_size"])
+        for ev in index.events:
+            e = ev.event
+            if e.event == "kv_retained" and e.ttl_s is not None:
+                ctx.decode_ttl_s = e.ttl_s
+            elif e.event == "engine_start":
+                # instrumented engines state their settings at startup
+                bidir = e.attrs.get("bidirectional_kv_xfer")
+                if isinstance(bidir, bool):
+                    setattr(ctx, "p_bidir" if e.source == "prefill" else "d_bidir", bidir)
+                if isinstance(e.attrs.get("block_size"), int):
+                    ctx.block_size = e.attrs["block_size"]
+                ttl = e.attrs.get("decoder_kv_blocks_ttl")
+                if e.source == "decode" and isinstance(ttl, int | float) and not isinstance(ttl, bool):
+                    ctx.decode_ttl_s = float(ttl)
+        for prec in index.proxy:
+            if prec.kind == "stale":
+                ctx.router_ttl_s = float(prec.fields["ttl"])
+        return ctx
+
+
+def _ev(rec: object) -> Evidence:
+    source = getattr(rec, "source")  # noqa: B009 - every record type has .source
+    text = getattr(rec, "text")  # noqa: B009
+    return Evidence(source=str(source), text=str(text)[:300])
+
+
+class _Turn:
+    """Builder for one TurnRecord: numbers from every source, then one verdict."""
+
+    def __init__(self, facts: TurnFacts) -> None:
+        self.f = facts
+        self.rec = TurnRecord(conversation_id=facts.conversation_id, turn=facts.turn, request_id=facts.request_id)
+        self._numbers()
+
+    def _numbers(self) -> None:
+        r, f = self.rec, self.f
+        events: list[TurnEvent] = [e.event for e in (*f.client_events, *f.router_events, *f.prefill_events)]
+        for e in events:
+            r.start_ts = r.start_ts if r.start_ts is not None else e.ts
+            for name in ("ttft_ms", "prompt_tokens", "completion_tokens", "local_hit_tokens",
+                         "remote_offered_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms",
+                         "gap_s", "entry_age_s", "model", "failure_type"):
+                if getattr(r, name) is None and getattr(e, name) is not None:
+                    setattr(r, name, getattr(e, name))
+            if r.remote_tokens is None and e.remote_read_tokens is not None:
+                r.remote_tokens = e.remote_read_tokens
+            if e.duration_ms is not None and r.latency_ms is None:
+                r.latency_ms = e.duration_ms
+            if e.status is not None and (r.status is None or e.status != "ok"):
+                r.status = e.status
+        for cev in f.client_events:
+            if cev.event.ttft_ms is not None:
+                r.ttft_ms = cev.event.ttft_ms  # the client's TTFT is the one users feel
+        if r.start_ts is not None and r.latency_ms is not None:
+            r.end_ts = r.start_ts + r.latency_ms / 1000.0
+        s = f.client_stat
+        if s is not None:
+            r.ttft_ms = r.ttft_ms if r.ttft_ms is not None else s.ttft_ms
+            r.prompt_tokens = r.prompt_tokens if r.prompt_tokens is not None else s.input_num_tokens
+            r.completion_tokens = r.completion_tokens if r.completion_tokens is not None else s.output_num_tokens
+            r.latency_ms = r.latency_ms if r.latency_ms is not None else s.latency_ms
+            if r.start_ts is None and s.start_time_ms is not None:
+                r.start_ts = s.start_time_ms / 1000.0
+        if f.proxy is not None:
+            for line in f.proxy.lines:
+                if line.kind == "prefill_done" and r.prefill_ms is None:
+                    r.prefill_ms = float(line.fields["ms"])
+                elif line.kind in ("hit", "stale") and r.entry_age_s is None:
+                    r.entry_age_s = float(line.fields["age"])
+        for pev in f.prefill_events:
+            if pev.event.engine_request_id:
+                r.prefill_request_id = pev.event.engine_request_id
+        for dev in f.decode_events:
+            if dev.event.engine_request_id:
+                r.decode_request_id = dev.event.engine_request_id
+
+    def set(self, verdict: Verdict, confidence: Confidence, reason: str, *evidence: object) -> TurnRecord:
+        r = self.rec
+        r.verdict, r.confidence, r.reason = verdict, confidence, reason
+        r.fix = VERDICT_INFO[verdict].fix
+        # the deciding lines first, then whatever _with_failure added
+        r.evidence[:0] = [_ev(e) for e in evidence if e is not None]
+        return r
+
+
+def _p_kind(facts: TurnFacts, *kinds: str) -> VllmRecord | None:
+    return next((r for r in facts.p_records if r.kind in kinds), None)
+
+
+def _failed(facts: TurnFacts) -> tuple[str | None, object | None]:
+    """Why the turn itself failed (stock or instrumented), with the line that says so."""
+    for ev in (*facts.client_events, *facts.router_events):
+        if ev.event.status in FAILED_STATUSES:
+            http = f", HTTP {ev.event.http_status}" if ev.event.http_status else ""
+            return f"status={ev.event.status}{http}", ev
+    for rec in (*facts.p_records, *facts.d_records, *facts.other_records):
+        if rec.kind == "kv_load_failed":
+            return "P failed it on KV load failure (failure_policy=fail)", rec
+        if rec.kind == "request_failed":
+            return f"vLLM: request failed ({rec.fields.get('why')})", rec
+        if rec.kind == "generated_response" and rec.fields.get("finish_reason") in ("error", "abort"):
+            return f"finish_reason={rec.fields['finish_reason']}", rec
+        if rec.kind == "waiting_remote_kvs":
+            return "never completed: P stuck in WAITING_FOR_REMOTE_KVS (vLLM 0.33 recompute hang)", rec
+    if facts.proxy is not None:
+        for line in facts.proxy.lines:
+            if line.kind in ("prefill_failed", "decode_failed"):
+                return f"{line.kind.replace('_', ' ')}: {line.fields.get('detail', '')}"[:200], line
+    return None, None
+
+
+def _with_failure(reason: str, facts: TurnFacts, builder: _Turn) -> str:
+    why, line = _failed(facts)
+    if why is None:
+        return reason
+    if line is not None:
+        builder.rec.evidence.append(_ev(line))
+    return f"{reason.rstrip('.')}; the turn failed ({why})"
+
+
+def _fix_hint(rec: TurnRecord, ctx: Context) -> None:
+    if rec.verdict is Verdict.EXPIRED_REMOTE_READ and rec.gap_s is not None:
+        ttl = ctx.decode_ttl_s or DEFAULT_DECODE_TTL_S
+        rec.fix = (f"gap {rec.gap_s:.0f} s vs decoder_kv_blocks_ttl {ttl:.0f} s (P declines within 5 s of expiry): "
+                   "raise the TTL or expect recompute")
+    elif rec.verdict is Verdict.ROUTER_ENTRY_EXPIRED and rec.entry_age_s is not None and ctx.router_ttl_s:
+        rec.fix = (f"entry age {rec.entry_age_s:.0f} s > router TTL {ctx.router_ttl_s:.0f} s: raise the router TTL "
+                   "(keep it below decoder_kv_blocks_ttl − 5 s) or expect recompute")
+
+
+def classify_turn(facts: TurnFacts, earlier: list[TurnFacts], ctx: Context) -> TurnRecord:
+    """Classify one turn; ``earlier`` are the conversation's earlier turns, in order."""
+    b = _Turn(facts)
+    rec = _instrumented(facts, b) or _stock(facts, earlier, ctx, b)
+    _fix_hint(rec, ctx)
+    return rec
+
+
+def _instrumented(facts: TurnFacts, b: _Turn) -> TurnRecord | None:
+    """The outcome recorded by the router (merged with P's report), or by P, when present."""
+    for group in (facts.router_events, facts.prefill_events, facts.client_events):
+        ev = next((e for e in group if e.event.outcome is not None), None)
+        if ev is None or ev.event.outcome is None:
+            continue
+        verdict = Verdict(ev.event.outcome)
+        if verdict is Verdict.UNKNOWN:
+            continue
+        reason = ev.event.reason or VERDICT_INFO[verdict].summary
+        if ev.event.failure_type and ev.event.failure_type not in reason:
+            reason += f" (failure_type={ev.event.failure_type})"
+        if verdict is not Verdict.REQUEST_FAILED:
+            reason = _with_failure(reason, facts, b)
+        extra = [e for e in (*facts.prefill_events, *facts.decode_events) if e is not ev][:3]
+        stock = [r for r in facts.p_records if r.kind][:3] + facts.released_handle[:1]
+        return b.set(verdict, CONFIRMED, reason, ev, *extra, *stock)
+    return None
+
+
+def _stock(facts: TurnFacts, earlier: list[TurnFacts], ctx: Context, b: _Turn) -> TurnRecord:
+    """Rules over stock logs (vLLM text logs, proxy log, benchmark stats)."""
+    prev = earlier[-1] if earlier else None
+    proxy = facts.proxy
+    if proxy is not None and proxy.lookup == "no_conversation_id":
+        return b.set(Verdict.NO_CONVERSATION_ID, CONFIRMED, _with_failure(
+            "the proxy got no conversation_id, so it could not link the turns", facts, b), proxy.lines[0])
+    if proxy is not None and proxy.lookup == "stale":
+        head = proxy.lines[0]
+        return b.set(Verdict.ROUTER_ENTRY_EXPIRED, CONFIRMED, _with_failure(
+            f"router entry age {head.fields['age']} s > ttl {head.fields['ttl']} s: discarded", facts, b), head)
+    if proxy is not None and proxy.lookup == "hit":
+        return _handle_offered(facts, ctx, b)
+    first = facts.turn == 1 and (prev is None) and (
+        proxy is not None or (facts.client_stat is not None and (facts.client_stat.input_num_turns or 1) <= 2))
+    failed_why, failed_line = _failed(facts)
+    if first:
+        if failed_why is not None:
+            return b.set(Verdict.REQUEST_FAILED, CONFIRMED, f"turn 1 failed: {failed_why}", failed_line)
+        # The client's message count proves turn 1; the proxy's order only suggests it (rotated logs).
+        conf = CONFIRMED if facts.client_stat is not None and facts.client_stat.input_num_turns is not None \
+            else INFERRED
+        return b.set(Verdict.FIRST_TURN, conf, "first turn of the conversation: nothing to retrieve yet",
+                     *(proxy.lines[:1] if proxy else []), facts.client_stat)
+    if proxy is not None and proxy.lookup in ("miss", "no_handle"):
+        if earlier and all(_failed(e)[0] is not None and (e.proxy is None or e.proxy.stored is None)
+                           for e in earlier):
+            # nothing was ever answered: the request carries no earlier reply, as on turn 1
+            return b.set(Verdict.FIRST_TURN, INFERRED, "every earlier request of the conversation failed: "
+                         "nothing to retrieve yet", miss_line(proxy), earlier[-1].proxy.lines[0]
+                         if earlier[-1].proxy else None)
+        return _no_handle(facts, prev, ctx, b)
+    if proxy is None and ctx.has_router:
+        if facts.client_stat is not None:
+            return b.set(Verdict.NO_CONVERSATION_ID, INFERRED,
+                         "no router/proxy line names this conversation: the client most likely sent no "
+                         "conversation_id (the proxy log then shows '[id] No conversation_id provided')",
+                         facts.client_stat)
+    if failed_why is not None:
+        return b.set(Verdict.REQUEST_FAILED, CONFIRMED, f"the turn failed: {failed_why}", failed_line)
+    missing = "the router's proxy log (--proxy-log) or router events" if not ctx.has_router else "P's log"
+    return b.set(Verdict.UNKNOWN, INFERRED, f"the logs given cannot decide this turn: add {missing}",
+                 facts.client_stat)
+
+
+def miss_line(proxy: ProxyRequest) -> ProxyRecord:
+    """The proxy line that says no handle was sent."""
+    return next((ln for ln in proxy.lines if ln.kind in ("miss", "no_handle")), proxy.lines[-1])
+
+
+def _handle_offered(facts: TurnFacts, ctx: Context, b: _Turn) -> TurnRecord:
+    """The router handed D's params to P: P's log decides (Contract 4 rules 1–7)."""
+    assert facts.proxy is not None
+    sent = facts.proxy.lines[-1] if facts.proxy.lines else None
+    sent = next((ln for ln in facts.proxy.lines if ln.kind == "sending"), sent)
+    decl = _p_kind(facts, "declining_expired")
+    if decl is not None:
+        return b.set(Verdict.EXPIRED_REMOTE_READ, CONFIRMED, _with_failure(
+            "P declined the D→P read: D's blocks expire within 5 s or already did", facts, b),
+            sent, decl, *facts.released_handle[:1])
+    fail = next((r for r in facts.p_records if r.kind == "nixl_failure"
+                 and r.fields["context"].get("request_id") is not None), None) or _p_kind(facts, "nixl_failure")
+    if fail is not None:
+        ftype = str(fail.fields["failure_type"])
+        b.rec.failure_type = ftype
+        return b.set(Verdict.TRANSFER_FAILED, CONFIRMED, _with_failure(
+            f"the D→P read failed: NIXL {ftype}", facts, b), sent, fail)
+    if facts.stale_read:
+        return b.set(Verdict.EXPIRED_REMOTE_READ, CONFIRMED, _with_failure(
+            "D logged that the blocks offered to this turn were read after it had released them (Potentially "
+            "invalid KV blocks): the KV P loaded is not D's", facts, b), sent, facts.stale_read[0])
+    skip = _p_kind(facts, "skip_remote_pull")
+    if skip is not None:
+        n, thr = int(skip.fields["remote_tokens"]), int(skip.fields["threshold"])
+        b.rec.remote_offered_tokens = n
+        if n < ctx.block_size:
+            return b.set(Verdict.LOCAL_HIT, CONFIRMED, f"P's prefix cache held all but {n} token(s) (< one block of "
+                         f"{ctx.block_size}); nothing left to pull", sent, skip)
+        return b.set(Verdict.BELOW_THRESHOLD, CONFIRMED,
+                     f"{n} remote tokens < kv_recompute_threshold {thr}: P recomputed them", sent, skip)
+    if facts.released_handle and _failed(facts)[0] is None:
+        rel = facts.released_handle[0]
+        if not ctx.has_prefill:
+            return b.set(Verdict.EXPIRED_REMOTE_READ, INFERRED, "D released the blocks offered to this turn "
+                         "unread (TTL); P's log would show the declined read", sent, rel)
+        # P declines (WARNING) or fails (ERROR) a read it attempts, visible at INFO: no such line and
+        # D's blocks expired unread means P never tried.
+        return b.set(Verdict.FEATURE_DISABLED_ON_PREFILL, INFERRED, "D's blocks offered to this turn expired "
+                     "unread and P logged no read attempt: P ignored the handle", sent, rel)
+    load_fail = _p_kind(facts, "kv_load_failed")
+    if load_fail is not None:
+        return b.set(Verdict.TRANSFER_FAILED, INFERRED, "P failed the request on a KV load failure with no "
+                     "expiry line; failure_type unknown at this log level; the turn failed", sent, load_fail)
+    hang = _p_kind(facts, "waiting_remote_kvs")
+    if hang is not None:
+        return b.set(Verdict.UNKNOWN, INFERRED, "P stuck in WAITING_FOR_REMOTE_KVS after a D→P read (vLLM 0.33 "
+                     "recompute hang); the turn never completed; P's WARNING lines decide the cause", sent, hang)
+    read = _p_kind(facts, "read_blocks", "finished_recving")
+    if read is not None:
+        return b.set(Verdict.REMOTE_HIT, CONFIRMED, _with_failure("P read D's blocks (D→P)", facts, b), sent, read)
+    start = _p_kind(facts, "start_load_kv")
+    if start is not None and int(start.fields["local_blocks"]) > 0:
+        return b.set(Verdict.REMOTE_HIT, CONFIRMED, _with_failure(
+            f"P started the D→P read of {start.fields['remote_blocks']} block group(s)", facts, b), sent, start)
+    if ctx.p_bidir is False and ctx.d_bidir:
+        return b.set(Verdict.FEATURE_DISABLED_ON_PREFILL, INFERRED,
+                     "D logs 'Bidirectional KV transfer is enabled' but P does not: P ignored D's handle", sent)
+    why, line = _failed(facts)
+    if why is not None:
+        return b.set(Verdict.REQUEST_FAILED, CONFIRMED, f"D's handle was offered, but the turn failed: {why}",
+                     sent, line)
+    if not ctx.has_prefill:
+        return b.set(Verdict.UNKNOWN, INFERRED, "the proxy offered D's handle to P; P's log decides what P did "
+                     "with it (add the prefill log)", sent)
+    if ctx.p_debug:
+        # at DEBUG P logs every D->P decision (read, skip, decline, failure); none at all: it ignored the handle
+        return b.set(Verdict.FEATURE_DISABLED_ON_PREFILL, INFERRED, "P's DEBUG log shows no D→P read, skip, "
+                     "decline or failure for this request: P ignored D's handle (bidirectional_kv_xfer off on P)",
+                     sent, *facts.p_records[:1])
+    return b.set(Verdict.UNKNOWN, INFERRED, "the proxy offered D's handle and P logged no failure: remote_hit, "
+                 "local_hit or below_threshold; stock vLLM logs nothing for these at INFO — run P at "
+                 "VLLM_LOGGING_LEVEL=DEBUG or add prefill events to decide", sent)
+
+
+def _no_handle(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn) -> TurnRecord:
+    """A later turn the router sent without a handle: why was there none?"""
+    assert facts.proxy is not None
+    miss = facts.proxy.lines[-1]
+    miss = next((ln for ln in facts.proxy.lines if ln.kind in ("miss", "no_handle")), miss)
+    if facts.concurrent and prev is not None:
+        return b.set(Verdict.CONCURRENT_TURN, INFERRED, _with_failure(
+            f"turn {prev.turn} was still in flight (its D handle was stored after this request arrived)", facts, b),
+            miss)
+    if prev is not None and prev.proxy is not None and prev.proxy.stored is not None:
+        if facts.restart_before is not None:
+            return b.set(Verdict.ROUTER_STATE_LOST, CONFIRMED, _with_failure(
+                f"the proxy stored turn {prev.turn}'s handle, then restarted ('Ready' line) and lost it",
+                facts, b), prev.proxy.stored, facts.restart_before, miss)
+        # The stock proxy pops an entry only on a HIT; kvdiag's router may also withhold it (prefix_mismatch).
+        return b.set(Verdict.UNKNOWN, INFERRED, _with_failure(
+            f"the proxy stored turn {prev.turn}'s handle, but this turn was a MISS with no stale or restart line: "
+            "router_state_lost (another replica) or a handle the router withheld (prefix_mismatch); router "
+            "events decide", facts, b), prev.proxy.stored, miss)
+    if prev is not None:
+        return _metadata_not_returned(facts, prev, ctx, b, miss)
+    return b.set(Verdict.UNKNOWN, INFERRED, "a later turn without a handle, and the previous turn is not in the "
+                 "logs: add the earlier proxy log (rotated file) or router events", miss)
+
+
+def _metadata_not_returned(facts: TurnFacts, prev: TurnFacts, ctx: Context, b: _Turn, miss: object
+                           ) -> TurnRecord:
+    for rec in prev.d_records + prev.p_records + prev.other_records:
+        if rec.kind == "aborted":
+            return b.set(Verdict.METADATA_NOT_RETURNED, CONFIRMED, _with_failure(
+                f"aborted: turn {prev.turn} was aborted, so D returned no kv_transfer_params", facts, b), rec, miss)
+    why, line = _failed(prev)
+    if why is not None:
+        return b.set(Verdict.METADATA_NOT_RETURNED, CONFIRMED, _with_failure(
+            f"decode_failed: turn {prev.turn} failed ({why}), so no handle was stored", facts, b), line, miss)
+    if ctx.d_bidir is False:
+        return b.set(Verdict.METADATA_NOT_RETURNED, INFERRED, _with_failure(
+            "bidirectional_off_on_decode: D's log has no 'Bidirectional KV transfer is enabled' line; the proxy "
+            f"stored no handle after turn {prev.turn}", facts, b), miss)
+    if ctx.d_bidir:
+        return b.set(Verdict.METADATA_NOT_RETURNED, INFERRED, _with_failure(
+            f"not_streamed: D has bidirectional on, yet the proxy stored no handle after turn {prev.turn}: the "
+            "streamed response carried no kv_transfer_params (vLLM without PR #40186)", facts, b), miss)
+    return b.set(Verdict.METADATA_NOT_RETURNED, INFERRED, _with_failure(
+        f"the proxy stored no handle after turn {prev.turn}; D's log would say why (bidirectional off, abort)",
+        facts, b), miss)

@@ -1,0 +1,275 @@
+"""The explain facade: load logs, correlate them by ids and classify every turn.
+
+Library entry points (report/advise call these)::
+
+    convs = load_turns(["demo-out/*"])                 # every conversation
+    conv = explain_conversation(["demo-out/*"], "c1")  # one conversation, byte-prefiltered
+
+One conversation is found with a byte-level prefilter (scan.py): first the lines naming the
+conversation (or its hashed tag), then the lines naming its request ids; only those are parsed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Final
+
+from kvdiag.diagnostics.classify import Context, classify_turn
+from kvdiag.diagnostics.correlate import Conversation, LogIndex, correlate, id_tags
+from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
+from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_document, parse_json_numbered
+from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.proxy_log import parse_proxy_numbered
+from kvdiag.diagnostics.records import ConversationRecord
+from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, read_all_lines
+from kvdiag.diagnostics.vllm_log import header_request_id, parse_vllm_numbered
+from kvdiag.schema.verdicts import VERDICT_INFO, Verdict
+
+ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
+
+# Only lines with one of these texts matter in a vLLM log: a literal prefilter skips the rest (stats,
+# access logs, model loading) at C speed. Keep in step with vllm_log._CLASSIFIERS.
+VLLM_KEYWORDS: Final = (
+    b"Declining expired", b"Releasing expired", b"Potentially invalid KV", b"NIXL transfer failure",
+    b"due to KV load failure", b"Recovered from KV load", b"Skipping KV post", b"Skipping remote pull",
+    b"get_num_new_matched_tokens", b"start_load_kv for", b"calling _read_blocks", b"Finished recving",
+    b"WAITING_FOR_REMOTE_KVS", b"Got invalid KVTransferParams", b"Bidirectional KV transfer is enabled",
+    b"Generated response", b"Aborted request", b"aborted.", b") failed", b" failed.", b"Received request",
+    b"NIXLConnector request_finished(", b"Finished sending", b"Added request", b"but no KVConnector found",
+    b" failed (",
+)
+HEAD_KEYWORDS: Final = (b"Bidirectional KV transfer is enabled", b"remote block size")
+HEAD_BYTES: Final = 4 * 1024 * 1024  # engine settings are logged at startup
+SOURCES: Final = ("client", "router", "prefill", "decode")
+
+
+class ExplainError(Exception):
+    """Base class of explain errors."""
+
+
+class UnreadableLogError(ExplainError):
+    """A log file could not be read; the message names the file."""
+
+
+class ConversationNotFoundError(ExplainError):
+    """The conversation id appears in none of the logs; ``closest`` lists near ids."""
+
+    def __init__(self, conversation_id: str, closest: list[str]) -> None:
+        hint = f"; closest ids: {', '.join(closest)}" if closest else ""
+        super().__init__(f"conversation {conversation_id!r} not found in the logs given{hint}")
+        self.conversation_id = conversation_id
+        self.closest = closest
+
+
+class _Progress:
+    def __init__(self, total: int, fn: ProgressFn | None, passes: int) -> None:
+        self.total, self.fn, self.done = total * passes, fn, 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.fn is not None:
+            self.fn(min(self.done, self.total), self.total)
+
+
+def _detect(paths: Iterable[str]) -> list[LogFile]:
+    try:
+        return detect(paths)
+    except LogReadError as exc:
+        raise UnreadableLogError(str(exc)) from None
+
+
+def _parse(index: LogIndex, f: LogFile, numbered: Iterable[tuple[int, bytes]]) -> None:
+    stats = LineStats()
+    if f.fmt == "vllm":
+        index.vllm.extend(parse_vllm_numbered(numbered, f.path, stats))
+    elif f.fmt == "proxy":
+        index.proxy.extend(parse_proxy_numbered(numbered, f.path, stats))
+    elif f.fmt in ("events", "client_stats"):
+        for rec in parse_json_numbered(numbered, f.path, stats):
+            if isinstance(rec, EventRecord):
+                index.events.append(rec)
+            else:
+                index.client.append(rec)
+    index.stats.merge(stats)
+
+
+def _is_json_document(f: LogFile) -> bool:
+    if f.fmt != "client_stats":
+        return False
+    with open_binary(f.path) as fh:
+        return fh.read(4096).lstrip().startswith(b"[")
+
+
+def _load(files: list[LogFile], index: LogIndex, lines_for: Callable[[LogFile], Iterator[tuple[int, bytes]]]
+          ) -> None:
+    for f in files:
+        index.formats[f.path] = f.fmt
+        index.file_roles.setdefault(f.path, f.role)
+        try:
+            if _is_json_document(f):
+                with open_binary(f.path) as fh:
+                    index.client.extend(parse_json_document(fh.read(), f.path, index.stats))
+                continue
+            _parse(index, f, lines_for(f))
+        except LogReadError as exc:
+            raise UnreadableLogError(str(exc)) from None
+        except (OSError, EOFError) as exc:
+            raise UnreadableLogError(f"cannot read {f.path}: {exc}") from None
+
+
+def load_index(paths: Iterable[str], progress: ProgressFn | None = None) -> LogIndex:
+    """Parse every input (vLLM logs through the keyword prefilter)."""
+    files = _detect(paths)
+    tick = _Progress(sum(f.size for f in files), progress, 1)
+    index = LogIndex()
+
+    def lines_for(f: LogFile) -> Iterator[tuple[int, bytes]]:
+        if f.fmt == "vllm":
+            return grep_lines(f.path, VLLM_KEYWORDS, tick)
+        if f.fmt == "unknown":
+            tick(f.size)
+            return iter(())
+        return read_all_lines(f.path, tick)
+
+    _load(files, index, lines_for)
+    return index
+
+
+def classify(conv: Conversation, index: LogIndex, ctx: Context | None = None) -> ConversationRecord:
+    """Classify a correlated conversation's turns; list the log sources that were missing."""
+    ctx = ctx or Context.from_index(index)
+    out = ConversationRecord(conversation_id=conv.conversation_id)
+    for i, facts in enumerate(conv.turns):
+        out.turns.append(classify_turn(facts, conv.turns[:i], ctx))
+    present = {"client": ctx.has_client, "router": ctx.has_router, "prefill": ctx.has_prefill,
+               "decode": ctx.has_decode}
+    out.missing_sources = [s for s in SOURCES if not present[s]]
+    return out
+
+
+def _severity(conv: ConversationRecord) -> tuple[int, int, str]:
+    bad = sum(1 for t in conv.turns if t.verdict in VERDICT_INFO and VERDICT_INFO[t.verdict].eligible
+              and not VERDICT_INFO[t.verdict].reused)
+    unknown = sum(1 for t in conv.turns if t.verdict is Verdict.UNKNOWN)
+    return (-bad, -unknown, conv.conversation_id)
+
+
+def load_turns(paths: Iterable[str], progress: ProgressFn | None = None, *,
+               stats: LineStats | None = None) -> list[ConversationRecord]:
+    """Every conversation in the logs (globs, .gz, rotated files), turns classified, worst first.
+
+    ``stats`` (optional) receives the line counts, corrupt lines skipped included.
+    """
+    index = load_index(paths, progress)
+    if stats is not None:
+        stats.merge(index.stats)
+    ctx = Context.from_index(index)
+    convs = [classify(c, index, ctx) for c in correlate(index)]
+    return sorted(convs, key=_severity)
+
+
+def explain_conversation(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None = None, *,
+                         stats: LineStats | None = None) -> ConversationRecord:
+    """One conversation, its turns classified; raise ConversationNotFoundError if absent.
+
+    ``stats`` (optional) receives the counts of the lines the prefilter kept (corrupt ones included).
+    """
+    files = _detect(paths)
+    tick = _Progress(sum(f.size for f in files), progress, 2)
+    index = LogIndex()
+    conv_needles = [t.encode() for t in id_tags(conversation_id)]
+    # Pass 1: the lines naming the conversation (client, router, proxy, events).
+    first = [f for f in files if f.fmt in ("events", "client_stats", "proxy")]
+    _load(first, index, lambda f: grep_lines(
+        f.path, conv_needles + ([b"Ready: "] if f.fmt == "proxy" else []), tick))
+    rids = _request_ids(index, conversation_id)
+    if not rids and not any(c.conversation_id == conversation_id for c in index.client):
+        raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
+    # Pass 2: the lines naming its request ids (engine logs, rid-only proxy lines, engine events).
+    rid_needles = sorted({r.encode() for r in rids})
+    seen_lines = {(e.path, e.lineno) for e in index.events} | {(p.path, p.lineno) for p in index.proxy}
+
+    def second_lines(f: LogFile) -> Iterator[tuple[int, bytes]]:
+        if f.fmt == "vllm":
+            # engine lines name requests as chatcmpl-<rid>/cmpl-<rid>; settings lines sit at the start
+            found = dict(_head_lines(f.path, HEAD_KEYWORDS))
+            found.update(grep_prefixed(f.path, b"cmpl-", rid_needles, tick))
+            lines: Iterable[tuple[int, bytes]] = sorted(found.items())
+        elif f.fmt == "proxy":
+            lines = grep_prefixed(f.path, b"[", rid_needles, tick, suffix=b"]")
+        else:  # events name the request as "request_id":"<id>" and/or an engine id "chatcmpl-<id>-<8>"
+            found = dict(grep_prefixed(f.path, b'"', rid_needles, tick))
+            found.update(grep_prefixed(f.path, b"cmpl-", rid_needles))
+            lines = sorted(found.items())
+        for lineno, line in lines:
+            if (f.path, lineno) not in seen_lines:
+                yield lineno, line
+
+    second_files = [f for f in files if f.fmt in ("vllm", "proxy", "events")]
+    if rid_needles:
+        _load(second_files, index, second_lines)
+    index.proxy.sort(key=lambda p: (p.path, p.lineno))
+    index.events.sort(key=lambda e: (e.path, e.lineno))
+    convs = correlate(index, only=conversation_id)
+    # A second look at the ids of engine/proxy lines only joined through rids is not needed:
+    # correlate keys every record by the rids gathered in pass 1.
+    if stats is not None:
+        stats.merge(index.stats)
+    match = next((c for c in convs if c.conversation_id == conversation_id), None)
+    if match is None:
+        raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
+    return classify(match, index)
+
+
+def _head_lines(path: str, keywords: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    try:
+        with open_binary(path) as fh:
+            head = fh.read(HEAD_BYTES)
+    except (OSError, EOFError) as exc:
+        raise LogReadError(f"cannot read {path}: {exc}") from None
+    for lineno, line in enumerate(head.splitlines(keepends=True)[:-1] or head.splitlines(True), start=1):
+        if any(k in line for k in keywords):
+            yield lineno, line
+
+
+def _request_ids(index: LogIndex, conversation_id: str) -> set[str]:
+    tags = set(id_tags(conversation_id))
+    rids: set[str] = set()
+    for ev in index.events:
+        e = ev.event
+        if e.conversation_id in tags:
+            rids.update(header_request_id(r) for r in (e.request_id, e.engine_request_id) if r)
+    for stat in index.client:
+        if stat.conversation_id == conversation_id and stat.request_id:
+            rids.add(stat.request_id)
+    for rec in index.proxy:
+        if rec.fields.get("conv") in tags:
+            if "rid" in rec.fields:
+                rids.add(rec.fields["rid"])
+            if "remote" in rec.fields:
+                rids.add(header_request_id(rec.fields["remote"]))
+    return {r for r in rids if len(r) >= 4}  # a tiny id would match half the file
+
+
+def closest_ids(files: list[LogFile], conversation_id: str, limit: int = 5) -> list[str]:
+    """Conversation ids seen in the client/router/proxy logs that look most like ``conversation_id``."""
+    pattern = re.compile(rb'"conversation_id": ?"([^"]{1,200})"|conv=([^\s:]{1,200})')
+    seen: set[str] = set()
+    for f in files:
+        if f.fmt not in ("events", "client_stats", "proxy"):
+            continue
+        try:
+            for _, line in grep_regex(f.path, pattern):
+                for m in pattern.finditer(line):
+                    seen.add((m.group(1) or m.group(2)).decode("utf-8", errors="replace"))
+                if len(seen) > 100_000:
+                    break
+        except LogReadError:
+            continue
+    return difflib.get_close_matches(conversation_id, sorted(seen), n=limit, cutoff=0.3)
+
+
+__all__ = ["ClientStat", "ConversationNotFoundError", "ExplainError", "LineStats", "UnreadableLogError", "classify",
+           "closest_ids", "explain_conversation", "load_index", "load_turns"]

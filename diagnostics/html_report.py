@@ -1,0 +1,129 @@
+"""The self-contained HTML report: outcome mix, TTFT reused vs recomputed, gaps against the TTL."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvdiag.diagnostics import html_svg as svg
+from kvdiag.diagnostics.advise import Advice
+from kvdiag.diagnostics.records import ConversationRecord
+from kvdiag.diagnostics.report import Report, build_report, build_turn_table, gap_histogram
+from kvdiag.schema.metrics import PROMPT_BUCKETS, TURN_BUCKETS
+from kvdiag.schema.verdicts import Verdict
+
+REUSED_COLOR = "#2e7d32"
+RECOMPUTED_COLOR = "#e53935"
+
+
+def _mix_counts(mix: pd.DataFrame) -> dict[str, dict[str, int]]:
+    verdict_cols = [c for c in mix.columns if c not in ("turns", "reused_share")]
+    return {str(b): {v: int(mix.at[b, v]) for v in verdict_cols} for b in mix.index}
+
+
+def _frame_rows(df: pd.DataFrame) -> list[list[Any]]:
+    # itertuples keeps each column's dtype (iterrows would turn counts into floats).
+    return [[None if pd.isna(v) else (v.item() if hasattr(v, "item") else v) for v in r]
+            for r in df.itertuples(index=True, name=None)]
+
+
+def _ttft_chart(report: Report) -> str:
+    values: dict[str, dict[str, svg.BarValue]] = {}
+    for b in PROMPT_BUCKETS:
+        r = report.ttft.loc[b]
+        values[b] = {g: svg.BarValue(None if pd.isna(r[f"{g}_p50_ms"]) else float(r[f"{g}_p50_ms"]),
+                                     None if pd.isna(r[f"{g}_p95_ms"]) else float(r[f"{g}_p95_ms"]),
+                                     int(r[f"{g}_n"])) for g in ("reused", "recomputed")}
+    return svg.grouped_bars("ttft-chart", PROMPT_BUCKETS, (("reused", REUSED_COLOR), ("recomputed", RECOMPUTED_COLOR)),
+                            values, "TTFT ms (bar p50, whisker p95)", "TTFT")
+
+
+def _gap_chart(report: Report, advice: Advice | None) -> str:
+    g = report.gaps
+    lines: list[tuple[str, float, str]] = []
+    if g.decoder_ttl_s is not None:
+        lines.append(("decode TTL", float(g.decoder_ttl_s), "#d32f2f"))
+    if advice is not None:
+        for key, stroke in (("p90", "#6a1b9a"), ("p95", "#283593"), ("p99", "#00695c")):
+            v = advice.ttl.recommended_s.get(key)
+            if v is not None:
+                lines.append((f"TTL for {key}", float(v), stroke))
+    # Bins span to the furthest line so every recommended TTL is on the picture.
+    top = max([ln[1] * 1.05 for ln in lines] + [0.0])
+    edges, counts = g.histogram_edges_s, g.histogram_counts
+    if edges and top > edges[-1]:
+        edges, counts = gap_histogram(report.table.loc[report.table["turn"] > 1, "gap_s"].dropna().tolist(), top)
+    return svg.histogram("gap-chart", edges, counts, "gap between turns (s)", "Inter-turn gaps", lines)
+
+
+def _advice_html(advice: Advice) -> str:
+    parts = ["<h2>Advice</h2>", f'<p id="ttl-advice">{svg.esc(advice.ttl.summary)}</p>']
+    t = advice.ttl
+    if t.current_s is not None and t.share_after_expiry is not None:
+        rows: list[list[Any]] = [["current", t.current_s, t.share_after_expiry, t.mean_retained_gib["current"],
+                                  t.retained_gib_seconds["current"]]]
+        rows += [[k, t.recommended_s[k], t.share_after_expiry_at[k], t.mean_retained_gib[k],
+                  t.retained_gib_seconds[k]] for k in ("p90", "p95", "p99")]
+        parts.append(svg.html_table(["TTL", "seconds", "share after expiry", "mean GiB held", "GiB·s"], rows,
+                                    "ttl-table"))
+    parts.append(f'<p id="threshold-advice">{svg.esc(advice.threshold.summary)}</p>')
+    parts.append('<ul id="checks">' + "".join(
+        f'<li class="sev-{svg.esc(c.severity)}">[{svg.esc(c.severity)}] {svg.esc(c.message)}'
+        + (f" <em>Fix: {svg.esc(c.fix)}</em>" if c.fix and c.severity != "ok" else "") + "</li>"
+        for c in advice.checks) + "</ul>")
+    return "".join(parts)
+
+
+def render_report_html(report: Report, advice: Advice | None = None, title: str = "kvdiag report") -> str:
+    """The report as one self-contained HTML document."""
+    df = report.table
+    seen = [v.value for v in Verdict if (df["verdict"] == v.value).any()]
+    g = report.gaps
+    meta = (f"{len(df):,} turns in {df['conversation_id'].nunique():,} conversations · "
+            f"later turns reused: {report.first_later.at['later', 'reused_share'] or 0:.1%}")
+    if g.share_over_ttl is not None:
+        meta += f" · later turns after the decode TTL: {g.share_over_ttl:.1%}"
+    body = [
+        f'<h1>{svg.esc(title)}</h1><p class="meta" id="summary" data-turns="{len(df)}">{svg.esc(meta)}</p>',
+        "<h2>Outcome mix by turn index</h2>", svg.legend(seen),
+        svg.stacked_share_bars("mix-turn-chart", TURN_BUCKETS, _mix_counts(report.by_turn), seen, "turn"),
+        "<h2>Outcome mix by prompt length (tokens)</h2>",
+        svg.stacked_share_bars("mix-prompt-chart", PROMPT_BUCKETS, _mix_counts(report.by_prompt), seen, "prompt"),
+        "<h2>TTFT of later turns: reused vs recomputed</h2>",
+        svg.legend_pairs([("reused", REUSED_COLOR), ("recomputed", RECOMPUTED_COLOR)]),
+        _ttft_chart(report),
+        svg.html_table(["prompt", *report.ttft.columns], _frame_rows(report.ttft), "ttft-table"),
+        "<h2>Inter-turn gaps against the decode TTL</h2>", _gap_chart(report, advice),
+        svg.html_table(["later turns", "gaps known", "p50 s", "p90 s", "p95 s", "p99 s", "share ≥ TTL",
+                        "expired ratio", "missing-metadata ratio"],
+                       [[g.later_turns, g.gaps_known, g.quantiles_s["p50"], g.quantiles_s["p90"], g.quantiles_s["p95"],
+                         g.quantiles_s["p99"], g.share_over_ttl, g.expired_ratio, g.missing_metadata_ratio]],
+                       "gap-table"),
+        "<h2>D→P transfers by prompt length</h2>",
+        svg.html_table(["prompt", *report.transfer.columns], _frame_rows(report.transfer), "transfer-table"),
+        "<h2>First turn vs later turns</h2>",
+        svg.html_table(["turns", *report.first_later.columns], _frame_rows(report.first_later), "first-later-table"),
+    ]
+    if advice is not None:
+        body.append(_advice_html(advice))
+    return svg.page(title, "\n".join(body))
+
+
+def write_html_report(conversations: Sequence[ConversationRecord] | pd.DataFrame, path: str | Path, *,
+                      decoder_ttl: float | None = None, advice: Advice | None = None,
+                      title: str = "kvdiag report") -> Path:
+    """Build the report from conversations (or a turn table) and write it as HTML; return the path.
+
+    ``decoder_ttl`` draws the TTL line; ``advice`` (from :func:`kvdiag.diagnostics.advise.advise`) adds the
+    recommended TTLs to the gap plot and the advice section. The demo calls this at the end of its run.
+    """
+    df = conversations if isinstance(conversations, pd.DataFrame) else build_turn_table(conversations)
+    if decoder_ttl is None and advice is not None:
+        decoder_ttl = advice.ttl.current_s
+    report = build_report(df, decoder_ttl)
+    out = Path(path)
+    out.write_text(render_report_html(report, advice, title), encoding="utf-8")
+    return out

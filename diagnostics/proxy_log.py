@@ -1,0 +1,100 @@
+"""Parser for the text log of vLLM's ``disagg_proxy_multiturn.py`` (vllm.md §6.2).
+
+Format ``%(asctime)s [%(levelname)s] %(name)s: %(message)s`` with ``%Y-%m-%d %H:%M:%S``; the
+kvdiag router writes the same lines with ``--proxy-log``. Conversation ids appear as ``conv=%s``
+(possibly a sha256 tag when the router hashes ids), request ids (the X-Request-Id sent to P and D)
+as ``[%s]``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvdiag.diagnostics.linestats import LineStats, decode_line
+
+PROXY_RE: Final = re.compile(
+    r"^(?P<ts>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:[.,]\d+)? \[(?P<lvl>[A-Z]+)\] (?P<name>[\w.-]+): (?P<msg>.*)$")
+
+_CONV: Final = r"(?P<conv>\S+?)"
+_CLASSIFIERS: Final[list[tuple[str, re.Pattern[str]]]] = [
+    ("stale", re.compile(rf"^conv={_CONV}: stale cache entry \(age=(?P<age>[\d.]+)s > ttl=(?P<ttl>[\d.]+)s\)")),
+    ("hit", re.compile(rf"^conv={_CONV}: cache HIT \(age=(?P<age>[\d.]+)s\)")),
+    ("cached", re.compile(rf"^conv={_CONV}: cached D blocks \(remote_request_id=(?P<remote>[^,)]+), "
+                          r"blocks=(?P<blocks>\d+)\)")),
+    ("no_conversation_id", re.compile(r"^\[(?P<rid>[^\]]+)\] No conversation_id provided")),
+    ("sending", re.compile(rf"^\[(?P<rid>[^\]]+)\] conv={_CONV}: sending D's cached blocks to P "
+                           r"\(remote_request_id=(?P<remote>[^)]+)\)")),
+    ("miss", re.compile(rf"^\[(?P<rid>[^\]]+)\] conv={_CONV}: cache MISS")),
+    ("no_handle", re.compile(rf"^\[(?P<rid>[^\]]+)\] conv={_CONV}: no D-to-P handle offered")),
+    ("prefill_done", re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill done in (?P<ms>[\d.]+)ms")),
+    ("prefill_failed", re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill request failed: (?P<detail>.*)$")),
+    ("decode_failed", re.compile(r"^\[(?P<rid>[^\]]+)\] Decode request failed: (?P<detail>.*)$")),
+    ("ready", re.compile(r"^Ready: (?P<p>\d+) prefill, (?P<d>\d+) decode instances")),
+]
+
+
+@dataclass(slots=True)
+class ProxyRecord:
+    """One classified line of the proxy log."""
+
+    path: str
+    lineno: int
+    ts: str
+    level: str
+    kind: str
+    text: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source(self) -> str:
+        """``file:line``."""
+        return f"{self.path}:{self.lineno}"
+
+
+def classify_proxy_message(msg: str) -> tuple[str | None, dict[str, Any]]:
+    """Return (kind, fields) for a proxy message, or (None, {}) for one kvdiag does not use."""
+    for kind, regex in _CLASSIFIERS:
+        m = regex.match(msg)
+        if m:
+            return kind, {k: v for k, v in m.groupdict().items() if v is not None}
+    return None, {}
+
+
+def is_proxy_line(text: str) -> bool:
+    """True for a line in the proxy's log format (used by format detection)."""
+    return PROXY_RE.match(text) is not None
+
+
+def parse_proxy_log(lines: Iterable[bytes | str], path: str = "<stdin>",
+                    stats: LineStats | None = None) -> Iterator[ProxyRecord]:
+    """Yield the proxy records kvdiag uses; other lines are counted and skipped."""
+    return parse_proxy_numbered(enumerate(lines, start=1), path, stats)
+
+
+def parse_proxy_numbered(numbered: Iterable[tuple[int, bytes | str]], path: str = "<stdin>",
+                         stats: LineStats | None = None) -> Iterator[ProxyRecord]:
+    """Like parse_proxy_log over (line number, line) pairs."""
+    stats = stats if stats is not None else LineStats()
+    for lineno, raw in numbered:
+        text, ok = decode_line(raw)
+        if not ok:
+            stats.corrupt += 1
+            stats.note(path, lineno, "invalid UTF-8 or oversized line")
+        text = text.rstrip("\r\n")
+        if not text.strip():
+            continue
+        stats.lines += 1
+        m = PROXY_RE.match(text)
+        if m is None:
+            stats.other += 1
+            continue
+        kind, fields = classify_proxy_message(m.group("msg"))
+        if kind is None:
+            stats.other += 1
+            continue
+        stats.records += 1
+        yield ProxyRecord(path=path, lineno=lineno, ts=m.group("ts"), level=m.group("lvl"), kind=kind,
+                          text=text[:500], fields=fields)

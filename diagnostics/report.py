@@ -1,0 +1,363 @@
+"""`kvdiag report`: the per-turn table and its aggregations (outcome mix, TTFT, transfers, gaps).
+
+Library first: :func:`build_turn_table` turns ConversationRecords into one pandas row per turn;
+every aggregation is a pure function of that table, so the CLI, the HTML report, ``advise`` and
+the Parquet cache all share it. Buckets come from kvdiag.schema.metrics (same labels as metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import pandas as pd
+
+from kvdiag.diagnostics.detect import detect, expand_paths
+from kvdiag.diagnostics.explain import load_turns
+from kvdiag.diagnostics.records import ConversationRecord
+from kvdiag.diagnostics.report_fast import all_events, events_turn_table
+from kvdiag.exporters import parquet
+from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS, prompt_bucket, turn_bucket
+from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
+
+# Bump when the table's columns change: it is part of the Parquet cache key.
+TABLE_VERSION: Final = 1
+
+TABLE_COLUMNS: Final = (
+    "conversation_id", "turn", "turn_bucket", "prompt_tokens", "prompt_bucket", "verdict", "reused",
+    "eligible", "confidence", "request_id", "start_ts", "end_ts", "ttft_ms", "latency_ms",
+    "completion_tokens", "local_hit_tokens", "remote_offered_tokens", "remote_tokens", "computed_tokens",
+    "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s", "status", "failure_type",
+    "metadata_reason", "model", "reason",
+)
+_FLOAT_COLUMNS: Final = ("start_ts", "end_ts", "ttft_ms", "latency_ms", "transfer_ms", "prefill_ms", "gap_s",
+                         "entry_age_s")
+_INT_COLUMNS: Final = ("turn", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
+                       "remote_tokens", "computed_tokens", "transfer_bytes")
+_STR_COLUMNS: Final = ("conversation_id", "turn_bucket", "prompt_bucket", "verdict", "confidence", "request_id",
+                       "status", "failure_type", "metadata_reason", "model", "reason")
+
+EXPIRED_VERDICTS: Final = frozenset({Verdict.EXPIRED_REMOTE_READ, Verdict.ROUTER_ENTRY_EXPIRED})
+# vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN: P declines a read whose deadline is within 5 s.
+EXPIRY_SAFETY_MARGIN_S: Final = 5.0
+GAP_HISTOGRAM_BINS: Final = 30
+
+
+class ReportError(Exception):
+    """The inputs cannot produce a report (no turns, unreadable cache); the message says why."""
+
+
+def _metadata_reason(verdict: Verdict, reason: str) -> str | None:
+    # The classifier names the missing-metadata cause inside its free-text reason.
+    if verdict is not Verdict.METADATA_NOT_RETURNED:
+        return None
+    for name in MISSING_METADATA_REASONS:
+        if name in reason:
+            return name
+    return "unknown"
+
+
+def build_turn_table(conversations: Iterable[ConversationRecord]) -> pd.DataFrame:
+    """Return one row per turn (columns TABLE_COLUMNS), with gaps filled from start/end times."""
+    cols: dict[str, list[Any]] = {name: [] for name in TABLE_COLUMNS}
+    for conv in conversations:
+        prev_end: float | None = None
+        for t in sorted(conv.turns, key=lambda r: r.turn):
+            gap = t.gap_s
+            if gap is None and prev_end is not None and t.start_ts is not None and t.turn > 1:
+                gap = max(0.0, t.start_ts - prev_end)
+            end = t.end_ts
+            if end is None and t.start_ts is not None and t.latency_ms is not None:
+                # Stock client stats give start and latency only: the end follows.
+                end = t.start_ts + t.latency_ms / 1000.0
+            prev_end = end
+            verdict = Verdict(t.verdict)
+            cols["conversation_id"].append(conv.conversation_id)
+            cols["turn"].append(t.turn)
+            cols["turn_bucket"].append(turn_bucket(t.turn))
+            cols["prompt_tokens"].append(t.prompt_tokens)
+            cols["prompt_bucket"].append(prompt_bucket(t.prompt_tokens) if t.prompt_tokens is not None else None)
+            cols["verdict"].append(verdict.value)
+            cols["reused"].append(verdict in REUSED_VERDICTS)
+            cols["eligible"].append(verdict in ELIGIBLE_VERDICTS)
+            cols["confidence"].append(str(t.confidence))
+            cols["request_id"].append(t.request_id)
+            cols["start_ts"].append(t.start_ts)
+            cols["end_ts"].append(end)
+            cols["ttft_ms"].append(t.ttft_ms)
+            cols["latency_ms"].append(t.latency_ms)
+            cols["completion_tokens"].append(t.completion_tokens)
+            cols["local_hit_tokens"].append(t.local_hit_tokens)
+            cols["remote_offered_tokens"].append(t.remote_offered_tokens)
+            cols["remote_tokens"].append(t.remote_tokens)
+            cols["computed_tokens"].append(t.computed_tokens)
+            cols["transfer_bytes"].append(t.transfer_bytes)
+            cols["transfer_ms"].append(t.transfer_ms)
+            cols["prefill_ms"].append(t.prefill_ms)
+            cols["gap_s"].append(gap)
+            cols["entry_age_s"].append(t.entry_age_s)
+            cols["status"].append(t.status)
+            cols["failure_type"].append(t.failure_type)
+            cols["metadata_reason"].append(_metadata_reason(verdict, t.reason))
+            cols["model"].append(t.model)
+            cols["reason"].append(t.reason)
+    return normalize_table(pd.DataFrame(cols))
+
+
+def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Give the table stable dtypes (nullable ints, floats, strings) whatever its origin."""
+    missing = [c for c in TABLE_COLUMNS if c not in df.columns]
+    if missing:
+        raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
+    out = df.loc[:, list(TABLE_COLUMNS)].copy()
+    for c in _FLOAT_COLUMNS:
+        out[c] = pd.to_numeric(out[c], errors="coerce").astype("float64")
+    for c in _INT_COLUMNS:
+        out[c] = pd.to_numeric(out[c], errors="coerce").astype("Int64")
+    for c in _STR_COLUMNS:
+        out[c] = out[c].astype("string")
+    for c in ("reused", "eligible"):
+        out[c] = out[c].astype("bool")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregations: pure functions of the turn table.
+
+def _quantile(series: pd.Series, q: float) -> float | None:
+    s = series.dropna()
+    return float(s.quantile(q)) if len(s) else None
+
+
+def outcome_mix(df: pd.DataFrame, by: str) -> pd.DataFrame:
+    """Turn counts per verdict (columns) for each bucket of ``by`` (turn_bucket or prompt_bucket)."""
+    order = TURN_BUCKETS if by == "turn_bucket" else PROMPT_BUCKETS if by == "prompt_bucket" else None
+    if order is None:
+        raise ValueError(f"outcome_mix groups by turn_bucket or prompt_bucket, not {by!r}")
+    verdicts = [v.value for v in Verdict]
+    sub = df[df[by].notna()]
+    table = pd.crosstab(sub[by].astype(str), sub["verdict"].astype(str)) if len(sub) else pd.DataFrame()
+    table = table.reindex(index=list(order), columns=verdicts, fill_value=0).fillna(0).astype("int64")
+    table = table.loc[:, (table.sum(axis=0) > 0).to_numpy()] if len(sub) else table.iloc[:, :0]
+    table.index.name = by
+    table.insert(0, "turns", table.sum(axis=1))
+    reused = [c for c in table.columns if c in {v.value for v in REUSED_VERDICTS}]
+    table["reused_share"] = (table[reused].sum(axis=1) / table["turns"].where(table["turns"] > 0)).round(4)
+    return table
+
+
+def ttft_by_bucket(df: pd.DataFrame) -> pd.DataFrame:
+    """TTFT p50/p95 of later turns, reused vs recomputed, per prompt-length bucket (the article's table)."""
+    # Narrow the frame before any mask: copying unused (string) columns dominates on big tables.
+    cols = df[["turn", "ttft_ms", "prompt_bucket", "reused"]]
+    later = cols[(cols["turn"] > 1) & cols["ttft_ms"].notna() & cols["prompt_bucket"].notna()]
+    rows = []
+    for bucket in PROMPT_BUCKETS:
+        b = later[later["prompt_bucket"] == bucket]
+        row: dict[str, Any] = {"prompt_bucket": bucket}
+        for label, part in (("reused", b[b["reused"]]), ("recomputed", b[~b["reused"]])):
+            row[f"{label}_n"] = len(part)
+            row[f"{label}_p50_ms"] = _quantile(part["ttft_ms"], 0.5)
+            row[f"{label}_p95_ms"] = _quantile(part["ttft_ms"], 0.95)
+        p_re, p_rc = row["reused_p50_ms"], row["recomputed_p50_ms"]
+        row["speedup_p50"] = round(p_rc / p_re, 2) if p_re and p_rc else None
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("prompt_bucket")
+
+
+def transfer_by_bucket(df: pd.DataFrame) -> pd.DataFrame:
+    """D→P transfer bytes and milliseconds per prompt-length bucket (turns that read from D)."""
+    cols = df[["transfer_bytes", "transfer_ms", "prompt_bucket"]]
+    xfer = cols[cols["transfer_bytes"].notna() & (cols["transfer_bytes"] > 0) & cols["prompt_bucket"].notna()]
+    rows = []
+    for bucket in PROMPT_BUCKETS:
+        b = xfer[xfer["prompt_bucket"] == bucket]
+        rows.append({
+            "prompt_bucket": bucket, "transfers": len(b),
+            "bytes_p50": _quantile(b["transfer_bytes"].astype("float64"), 0.5),
+            "bytes_total": int(b["transfer_bytes"].sum()) if len(b) else 0,
+            "ms_p50": _quantile(b["transfer_ms"], 0.5), "ms_p95": _quantile(b["transfer_ms"], 0.95),
+        })
+    return pd.DataFrame(rows).set_index("prompt_bucket")
+
+
+def first_vs_later(df: pd.DataFrame) -> pd.DataFrame:
+    """First turns (nothing to retrieve) against later turns: counts, reuse share, TTFT."""
+    rows = []
+    cols = df[["turn", "reused", "ttft_ms", "prompt_tokens"]]
+    for label, part in (("first", cols[cols["turn"] == 1]), ("later", cols[cols["turn"] > 1])):
+        n = len(part)
+        rows.append({
+            "turns": label, "n": n, "reused_share": round(float(part["reused"].mean()), 4) if n else None,
+            "ttft_p50_ms": _quantile(part["ttft_ms"], 0.5), "ttft_p95_ms": _quantile(part["ttft_ms"], 0.95),
+            "prompt_tokens_p50": _quantile(part["prompt_tokens"].astype("float64"), 0.5),
+        })
+    return pd.DataFrame(rows).set_index("turns")
+
+
+@dataclass
+class GapSummary:
+    """Inter-turn gaps against the decode TTL, and the expired / missing-metadata ratios."""
+
+    later_turns: int
+    gaps_known: int
+    decoder_ttl_s: float | None
+    quantiles_s: dict[str, float | None]
+    share_over_ttl: float | None
+    share_within_margin: float | None
+    expired_ratio: float | None
+    missing_metadata_ratio: float | None
+    missing_metadata_reasons: dict[str, int]
+    histogram_edges_s: list[float] = field(default_factory=list)
+    histogram_counts: list[int] = field(default_factory=list)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """JSON form (report --json ``gaps``)."""
+        return dict(self.__dict__)
+
+
+def gap_histogram(gaps: Sequence[float] | np.ndarray, ttl: float | None,
+                  bins: int = GAP_HISTOGRAM_BINS) -> tuple[list[float], list[int]]:
+    """Equal-width bins from 0 to max(gaps, 1.1 × TTL), so the TTL line always falls inside the plot."""
+    values = np.asarray(gaps, dtype="float64")
+    if not len(values):
+        return [], []
+    top = max(float(values.max()), (ttl or 0.0) * 1.1, 1e-9)
+    width = top / bins
+    idx = np.minimum((values / width).astype("int64"), bins - 1)
+    counts = np.bincount(idx, minlength=bins)
+    return [round(i * width, 6) for i in range(bins + 1)], [int(c) for c in counts]
+
+
+def gap_summary(df: pd.DataFrame, decoder_ttl_s: float | None) -> GapSummary:
+    """Summarize later turns' gaps against ``decoder_ttl_s`` (None: TTL unknown, shares omitted)."""
+    cols = df[["turn", "gap_s", "verdict", "metadata_reason"]]
+    later = cols[cols["turn"] > 1]
+    gaps = later["gap_s"].dropna()
+    n_later, n_gaps = len(later), len(gaps)
+    over = within = None
+    if decoder_ttl_s is not None and n_gaps:
+        over = round(float((gaps >= decoder_ttl_s).mean()), 4)
+        within = round(float((gaps >= decoder_ttl_s - EXPIRY_SAFETY_MARGIN_S).mean()), 4)
+    verdicts = later["verdict"].astype(str)
+    expired = round(float(verdicts.isin({v.value for v in EXPIRED_VERDICTS}).mean()), 4) if n_later else None
+    missing = verdicts == Verdict.METADATA_NOT_RETURNED.value
+    reasons = later.loc[missing, "metadata_reason"].fillna("unknown").astype(str).value_counts()
+    edges, counts = gap_histogram(gaps.to_numpy(dtype="float64"), decoder_ttl_s)
+    return GapSummary(
+        later_turns=n_later, gaps_known=n_gaps, decoder_ttl_s=decoder_ttl_s,
+        quantiles_s={f"p{int(q * 100)}": _quantile(gaps, q) for q in (0.5, 0.9, 0.95, 0.99)},
+        share_over_ttl=over, share_within_margin=within, expired_ratio=expired,
+        missing_metadata_ratio=round(float(missing.mean()), 4) if n_later else None,
+        missing_metadata_reasons={str(k): int(v) for k, v in reasons.items()},
+        histogram_edges_s=edges, histogram_counts=counts,
+    )
+
+
+@dataclass
+class Report:
+    """Everything `kvdiag report` prints and writes, computed from one turn table."""
+
+    table: pd.DataFrame
+    by_turn: pd.DataFrame
+    by_prompt: pd.DataFrame
+    ttft: pd.DataFrame
+    transfer: pd.DataFrame
+    first_later: pd.DataFrame
+    gaps: GapSummary
+
+    @property
+    def sections(self) -> list[tuple[str, pd.DataFrame]]:
+        """The titled tables, in print order."""
+        return [
+            ("Outcome mix by turn index", self.by_turn),
+            ("Outcome mix by prompt length (tokens)", self.by_prompt),
+            ("TTFT of later turns: reused vs recomputed (ms)", self.ttft),
+            ("D→P transfers by prompt length", self.transfer),
+            ("First turn vs later turns", self.first_later),
+        ]
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The report --json document (see docs/report.md)."""
+        def frame(df: pd.DataFrame) -> list[dict[str, Any]]:
+            return [_clean_row(r) for r in df.reset_index().to_dict(orient="records")]
+        return {
+            "turns": len(self.table),
+            "conversations": int(self.table["conversation_id"].nunique()),
+            "outcome_by_turn": frame(self.by_turn),
+            "outcome_by_prompt": frame(self.by_prompt),
+            "ttft_by_prompt": frame(self.ttft),
+            "transfer_by_prompt": frame(self.transfer),
+            "first_vs_later": frame(self.first_later),
+            "gaps": self.gaps.to_json_dict(),
+        }
+
+
+def _clean_row(row: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN: missing statistics become null; numpy scalars become Python numbers.
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+            out[str(k)] = None
+        elif hasattr(v, "item"):
+            out[str(k)] = v.item()
+        else:
+            out[str(k)] = v
+    return out
+
+
+def build_report(df: pd.DataFrame, decoder_ttl_s: float | None = None) -> Report:
+    """Compute every report section from the turn table."""
+    if df.empty:
+        raise ReportError("no turns found in the given logs; check the paths (kvdiag explain lists what it parsed)")
+    return Report(table=df, by_turn=outcome_mix(df, "turn_bucket"), by_prompt=outcome_mix(df, "prompt_bucket"),
+                  ttft=ttft_by_bucket(df), transfer=transfer_by_bucket(df), first_later=first_vs_later(df),
+                  gaps=gap_summary(df, decoder_ttl_s))
+
+
+def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = None,
+                    progress: Callable[[int, int], None] | None = None, fast: bool = True,
+                    events_only: bool = False) -> pd.DataFrame:
+    """Parse and correlate ``paths`` (globs, folders, .gz) into the turn table, through the Parquet
+    cache when ``cache_dir`` is set. Raises explain's LogReadError/ExplainError.
+
+    ``fast``: when every input is a kvdiag event file, build the table in DuckDB (report_fast)
+    instead of explain's parser. ``events_only``: use only the event files among the inputs (stock
+    logs add nothing to turns the router's events already state; turns only they show are lost)."""
+    files = expand_paths([str(p) for p in paths])
+    if events_only:
+        files = [f.path for f in detect(files) if f.fmt == "events"]
+        if not files:
+            raise ReportError("--events-only: no kvdiag event files among the inputs")
+    if cache_dir is not None:
+        cached = parquet.load_cached_table(files, cache_dir, TABLE_VERSION)
+        if cached is not None:
+            return normalize_table(cached)
+    if fast and all_events(files):
+        df = normalize_table(events_turn_table(files))
+    else:
+        df = build_turn_table(load_turns(files, progress=progress))
+    if cache_dir is not None:
+        parquet.store_cached_table(df, files, cache_dir, TABLE_VERSION)
+    return df
+
+
+def write_outputs(report: Report, *, csv: Path | None = None, parquet_path: Path | None = None,
+                  json_path: Path | None = None) -> list[Path]:
+    """Write the per-turn table (CSV/Parquet) and the aggregated JSON; return the paths written."""
+    written: list[Path] = []
+    if csv is not None:
+        report.table.to_csv(csv, index=False)
+        written.append(csv)
+    if parquet_path is not None:
+        parquet.write_table(report.table, parquet_path)
+        written.append(parquet_path)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.to_json_dict(), indent=2) + "\n", encoding="utf-8")
+        written.append(json_path)
+    return written

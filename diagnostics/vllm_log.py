@@ -1,0 +1,251 @@
+"""Parser for stock vLLM text logs (vllm.md §3–4, vllm-bidir-observed.md).
+
+Handles ANSI colours, an optional ``VLLM_LOGGING_PREFIX``, the ``(EngineCore_DP0 pid=N)`` process
+prefix, ``[file.py:N]`` (INFO) and ``[distributed/.../file.py:N]`` (DEBUG) forms, ``\\r``-continued
+multi-line messages and bare traceback lines (folded into the previous record). Messages are
+classified by their TEXT, never by the file name: the file moved three times across vLLM versions.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvdiag.diagnostics.linestats import LineStats, decode_line
+
+ANSI_RE: Final = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# The formatter's header, searched (not anchored) so any VLLM_LOGGING_PREFIX may precede the level.
+HEADER_RE: Final = re.compile(
+    r"^(?:\((?P<proc>[\w.-]+) pid=(?P<pid>\d+)\) )?(?P<prefix>.{0,200}?)"
+    r"(?P<lvl>DEBUG|INFO|WARNING|ERROR|CRITICAL) +(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d) "
+    r"\[(?P<file>[^\]]{1,300}):(?P<line>\d+)\] ?(?P<msg>.*)$", re.DOTALL)
+# Lines that belong to the previous record although they carry no header (tracebacks, raw dumps).
+_TRACEBACK_RE: Final = re.compile(
+    r"^(?:\s|Traceback |During handling|The above exception|[\w.]+(?:Error|Exception|Again)\b)")
+
+# A request id as vLLM prints it: external ``chatcmpl-<x>`` / ``cmpl-<x>``, or an internal id.
+_ID: Final = r"[\w.:-]+"
+
+
+@dataclass(slots=True)
+class VllmRecord:
+    """One logical vLLM log record (continuation lines folded in)."""
+
+    path: str
+    lineno: int
+    level: str
+    ts: str  # "MM-DD HH:MM:SS": no year, no milliseconds
+    fileinfo: str
+    msg: str
+    proc: str | None = None
+    pid: int | None = None
+    kind: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source(self) -> str:
+        """``file:line`` of the record's first line."""
+        return f"{self.path}:{self.lineno}"
+
+    @property
+    def text(self) -> str:
+        """The first line as the operator would grep it (no continuation lines)."""
+        head = self.msg.split("\n", 1)[0]
+        proc = f"({self.proc} pid={self.pid}) " if self.proc else ""
+        return f"{proc}{self.level} {self.ts} [{self.fileinfo}] {head}"[:500]
+
+
+def _ids_in(text: str) -> list[str]:
+    return re.findall(r"(?:chat)?cmpl-[\w-]+|[0-9a-f]{8}-[0-9a-f-]{27,}[\w-]*", text)
+
+
+def _context(text: str) -> dict[str, Any]:
+    """Parse the ``Context: {...}`` dict repr of a NIXL failure; tolerate truncation."""
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        value = None
+    if isinstance(value, dict):
+        return {str(k): v for k, v in value.items()}
+    out: dict[str, Any] = {}
+    for key, val in re.findall(r"'(\w+)': '([^']*)'", text):
+        out[key] = val
+    return out
+
+
+def _params_fields(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("remote_request_id", "remote_engine_id"):
+        m = re.search(rf"'{key}': '([^']*)'", text)
+        if m:
+            out[key] = m.group(1)
+    m = re.search(r"'remote_num_tokens': (\d+)", text)
+    if m:
+        out["remote_num_tokens"] = int(m.group(1))
+    out["do_remote_decode"] = "'do_remote_decode': True" in text
+    return out
+
+
+# (kind, compiled regex, converter of the match into fields). Order matters only for shared prefixes.
+_Conv = Any
+_CLASSIFIERS: Final[list[tuple[str, re.Pattern[str], _Conv]]] = [
+    ("bidir_enabled", re.compile(
+        r"^Bidirectional KV transfer is enabled and the kv recompute threshold is set to (\d+) tokens"
+        r"(?:\.\s*KV blocks on D are released after a TTL of (\d+) seconds)?"),
+     lambda m: {"threshold": int(m.group(1)), "ttl_s": int(m.group(2)) if m.group(2) else None}),
+    ("declining_expired", re.compile(rf"^Declining expired remote read for ({_ID}) from engine ({_ID})"),
+     lambda m: {"request_id": m.group(1), "engine_id": m.group(2).rstrip(".;")}),
+    ("releasing_expired", re.compile(
+        rf"^Releasing expired KV blocks for request ({_ID}) which were retrieved by (\d+) "),
+     lambda m: {"request_id": m.group(1), "count": int(m.group(2))}),
+    ("invalid_unrecognized", re.compile(rf"^Potentially invalid KV blocks for unrecognized request ({_ID})"),
+     lambda m: {"request_id": m.group(1)}),
+    ("nixl_failure", re.compile(r"^NIXL transfer failure: ([\w]+)(?:\. (.*?))? \| Context: (.*)$", re.DOTALL),
+     lambda m: {"failure_type": m.group(1), "detail": m.group(2), "context": _context(m.group(3))}),
+    ("kv_load_failed", re.compile(
+        r"^Failing (\d+) request\(s\) due to KV load failure \(failure_policy=(\w+), (\d+) tokens affected\)\. "
+        r"Request IDs: (.*)$", re.DOTALL),
+     lambda m: {"count": int(m.group(1)), "policy": m.group(2), "tokens": int(m.group(3)),
+                "request_ids": re.findall(r"'([^']+)'", m.group(4)) or _ids_in(m.group(4))}),
+    ("kv_load_recovered", re.compile(r"^Recovered from KV load failure: (\d+) request\(s\) rescheduled"),
+     lambda m: {"count": int(m.group(1))}),
+    ("skip_post_processing", re.compile(rf"^Skipping KV post-processing for failed request ({_ID})"),
+     lambda m: {"request_id": m.group(1)}),
+    ("skip_remote_pull", re.compile(rf"^Skipping remote pull for ({_ID}): (\d+) remote tokens < threshold (\d+)"),
+     lambda m: {"request_id": m.group(1), "remote_tokens": int(m.group(2)), "threshold": int(m.group(3))}),
+    ("matched_tokens", re.compile(
+        r"^NIXLConnector get_num_new_matched_tokens: num_computed_tokens=(\d+), kv_transfer_params=(.*)$",
+        re.DOTALL),
+     lambda m: {"num_computed_tokens": int(m.group(1)), **_params_fields(m.group(2))}),
+    ("start_load_kv", re.compile(
+        rf"^start_load_kv for request ({_ID}) from remote engine ({_ID})\. Num local_block_ids: (\d+)\. "
+        r"Num remote_block_ids: (\d+)"),
+     lambda m: {"request_id": m.group(1), "remote_engine_id": m.group(2), "local_blocks": int(m.group(3)),
+                "remote_blocks": int(m.group(4))}),
+    ("read_blocks", re.compile(
+        rf"^Remote agent ({_ID}) available, calling _read_blocks on remote rank \d+ with remote block size "
+        rf"(\d+) for req ({_ID})"),
+     lambda m: {"remote_engine_id": m.group(1), "block_size": int(m.group(2)), "request_id": m.group(3)}),
+    ("finished_recving", re.compile(rf"^Finished recving KV transfer for request ({_ID})"),
+     lambda m: {"request_id": m.group(1)}),
+    ("finished_sending", re.compile(rf"^Finished sending KV transfer for request ({_ID})"),
+     lambda m: {"request_id": m.group(1)}),
+    ("request_finished_wait", re.compile(
+        rf"^NIXLConnector request_finished\(({_ID})\) waiting for (\d+) seconds"),
+     lambda m: {"request_id": m.group(1), "seconds": int(m.group(2))}),
+    ("waiting_remote_kvs", re.compile(rf"^({_ID}) is still in WAITING_FOR_REMOTE_KVS state"),
+     lambda m: {"request_id": m.group(1)}),
+    ("invalid_params", re.compile(r"^Got invalid KVTransferParams: (.*)\. This request will not utilize", re.DOTALL),
+     lambda m: _params_fields(m.group(1))),
+    ("no_connector", re.compile(r"^Got kv_transfer_params, but no KVConnector found"), lambda m: {}),
+    ("received_request", re.compile(rf"^Received request ({_ID}):"), lambda m: {"request_id": m.group(1)}),
+    ("generated_response", re.compile(
+        rf"^Generated response ({_ID})(?: \(streaming (?:delta|complete)\))?: .*finish_reason: (\w+)",
+        re.DOTALL),
+     lambda m: {"request_id": m.group(1), "finish_reason": m.group(2)}),
+    ("added_request", re.compile(rf"^Added request ({_ID})\."), lambda m: {"request_id": m.group(1)}),
+    ("aborted", re.compile(r"^Aborted request\(s\) (.*)\.$"),
+     lambda m: {"request_ids": [s.strip(" '\"[]{}") for s in re.split(r"[,\s]+", m.group(1)) if s.strip(" '\"[]{}")]}),
+    ("aborted", re.compile(rf"^Request ({_ID}) aborted\."), lambda m: {"request_ids": [m.group(1)]}),
+    ("request_failed", re.compile(rf"^Request ({_ID}) failed(?: \(([\w ]+)\))?(?:: (.*?))?\.?$", re.DOTALL),
+     lambda m: {"request_id": m.group(1), "why": m.group(2) or "error", "detail": m.group(3)}),
+    ("kv_metrics", re.compile(r"^KV Transfer metrics: (.*)$"),
+     lambda m: {k.strip(): v for k, _, v in (p.partition("=") for p in m.group(1).split(", "))}),
+]
+
+
+def classify_message(msg: str) -> tuple[str | None, dict[str, Any]]:
+    """Return (kind, fields) for a vLLM message, or (None, {}) for one kvdiag does not use."""
+    for kind, regex, conv in _CLASSIFIERS:
+        m = regex.match(msg)
+        if m:
+            try:
+                return kind, dict(conv(m))
+            except (ValueError, TypeError):
+                return None, {}
+    return None, {}
+
+
+_CONTEXT_KINDS: Final = frozenset({"nixl_failure"})
+
+
+def parse_vllm_log(lines: Iterable[bytes | str], path: str = "<stdin>",
+                   stats: LineStats | None = None) -> Iterator[VllmRecord]:
+    """Yield vLLM records from raw lines; a line that is no vLLM record is counted and skipped."""
+    return parse_vllm_numbered(enumerate(lines, start=1), path, stats)
+
+
+def parse_vllm_numbered(numbered: Iterable[tuple[int, bytes | str]], path: str = "<stdin>",
+                        stats: LineStats | None = None) -> Iterator[VllmRecord]:
+    """Like parse_vllm_log over (line number, line) pairs, e.g. the prefiltered lines of a big file."""
+    stats = stats if stats is not None else LineStats()
+    current: VllmRecord | None = None
+    continued = False  # the previous physical line ended in "\r": the next one is its continuation
+    prev_lineno = -1
+    for lineno, raw in numbered:
+        if lineno != prev_lineno + 1:
+            continued = False  # a prefilter skipped lines: nothing carries over
+        prev_lineno = lineno
+        text, ok = decode_line(raw)
+        if not ok:
+            stats.corrupt += 1
+            stats.note(path, lineno, "invalid UTF-8 or oversized line")
+        text = text.rstrip("\n")
+        ends_cr = text.endswith("\r")
+        text = ANSI_RE.sub("", text.rstrip("\r"))
+        if not text.strip():
+            continued = False
+            continue
+        stats.lines += 1
+        m = HEADER_RE.match(text) if len(text) < 1_000_000 else None
+        if m is None:
+            if current is not None and (continued or _TRACEBACK_RE.match(text)):
+                current.msg += "\n" + text[:2000]
+            else:
+                stats.other += 1
+            continued = ends_cr
+            continue
+        msg = m.group("msg")
+        if continued and current is not None and m.group("ts") == current.ts and m.group("lvl") == current.level:
+            current.msg += "\n" + msg[:2000]
+            continued = ends_cr
+            continue
+        if current is not None:
+            _finish(current)
+            yield current
+        pid = m.group("pid")
+        current = VllmRecord(path=path, lineno=lineno, level=m.group("lvl"), ts=m.group("ts"),
+                             fileinfo=f"{m.group('file')}:{m.group('line')}", msg=msg, proc=m.group("proc"),
+                             pid=int(pid) if pid else None)
+        stats.records += 1
+        continued = ends_cr
+    if current is not None:
+        _finish(current)
+        yield current
+
+
+def _finish(rec: VllmRecord) -> None:
+    head = rec.msg if "\n" not in rec.msg else rec.msg.split("\n", 1)[0]
+    kind, fields = classify_message(head)
+    if kind is None and "\n" in rec.msg:
+        kind, fields = classify_message(rec.msg)
+    rec.kind, rec.fields = kind, fields
+
+
+def external_id(request_id: str) -> str:
+    """vLLM's external id: the internal id without its ``-<8 chars>`` randomisation suffix."""
+    if len(request_id) > 9 and request_id[-9] == "-" and re.fullmatch(r"[0-9a-zA-Z]{8}", request_id[-8:]):
+        return request_id[:-9]
+    return request_id
+
+
+def header_request_id(request_id: str) -> str:
+    """The X-Request-Id behind an engine id: drop the ``chatcmpl-``/``cmpl-`` prefix and the suffix."""
+    ext = external_id(request_id)
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if ext.startswith(prefix):
+            return ext[len(prefix):]
+    return ext

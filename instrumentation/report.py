@@ -1,0 +1,188 @@
+"""What P and D know about one request, and the verdict rule (docs/design.md, Contract 4).
+
+Pure Python with no vLLM import, so the emulated engines (kvdiag.sim) and the real connector
+(kvdiag.instrumentation.connector) share one rule and one report shape.
+
+Usage::
+
+    view = PrefillView(engine_request_id="cmpl-1-0", prompt_tokens=170, block_size=32,
+                       has_handle=True, remote_offered_tokens=139, local_hit_tokens=0)
+    view.read_started(tokens=139)
+    view.read_done(transfer_bytes=983040, transfer_ms=4.2)
+    report = view.report(bidirectional=True, threshold=64)   # PrefillReport, outcome remote_hit
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvdiag.schema.events import PrefillReport
+from kvdiag.schema.verdicts import Verdict
+
+# Failure type the worker records when NIXL declines a D->P read because D's deadline is within
+# vLLM's 5 s safety margin ("Declining expired remote read ..."): the read never started.
+DECLINED_EXPIRED: Final = "expired_declined"
+NO_HANDLE_REASON: Final = "no D handle offered"
+
+
+@dataclass
+class PrefillView:
+    """Facts the P side gathers for one request, from arrival to finish."""
+
+    engine_request_id: str
+    prompt_tokens: int
+    block_size: int
+    has_handle: bool = False
+    engine_id: str | None = None
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_offered_tokens: int = 0
+    local_hit_tokens: int = 0
+    remote_read_tokens: int = 0
+    pull_started: bool = False
+    threshold_skipped: bool = False
+    read_ok: bool = False
+    failure_type: str | None = None
+    transfer_bytes: int = 0
+    transfer_ms: float = 0.0
+    mismatch_block: int | None = None
+    request_failed: bool = False
+    failed_reason: str | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def read_started(self, tokens: int) -> None:
+        """P posted (or is about to post) the D->P read of ``tokens`` tokens."""
+        self.pull_started = True
+        self.remote_read_tokens = tokens
+
+    def read_done(self, transfer_bytes: int, transfer_ms: float) -> None:
+        """The D->P read completed with NIXL's bytes and transfer duration."""
+        self.read_ok = True
+        self.transfer_bytes += transfer_bytes
+        self.transfer_ms += transfer_ms
+
+    def read_failed(self, failure_type: str) -> None:
+        """The D->P read failed (``DECLINED_EXPIRED`` when declined as expiring)."""
+        self.read_ok = False
+        self.failure_type = failure_type
+
+    @property
+    def remainder_tokens(self) -> int:
+        """vLLM's D->P count: ``min(remote_num_tokens, prompt_tokens) - local_hit_tokens``."""
+        return min(self.remote_offered_tokens, self.prompt_tokens) - self.local_hit_tokens
+
+    def outcome(self, *, bidirectional: bool, threshold: int) -> tuple[Verdict, str | None]:
+        """Contract 4, in order; returns the verdict and a short reason."""
+        failed_note = "; the request failed" if self.request_failed else ""
+        if not self.has_handle:
+            if self.request_failed:
+                return Verdict.REQUEST_FAILED, self.failed_reason or "request failed"
+            return Verdict.UNKNOWN, NO_HANDLE_REASON
+        if not bidirectional:
+            return Verdict.FEATURE_DISABLED_ON_PREFILL, "bidirectional_kv_xfer is off on P"
+        if self.mismatch_block is not None:
+            return Verdict.PREFIX_MISMATCH, f"prompt diverges from D's sequence at block {self.mismatch_block}"
+        remainder = self.remainder_tokens
+        if remainder < self.block_size:
+            return Verdict.LOCAL_HIT, f"{remainder} remote tokens left after {self.local_hit_tokens} local hits"
+        if threshold > 0 and remainder < threshold:
+            return Verdict.BELOW_THRESHOLD, f"{remainder} remote tokens < threshold {threshold}"
+        if self.failure_type == DECLINED_EXPIRED:
+            return Verdict.EXPIRED_REMOTE_READ, "declined expired remote read" + failed_note
+        if self.failure_type is not None:
+            return Verdict.TRANSFER_FAILED, f"NIXL transfer failure: {self.failure_type}" + failed_note
+        if self.read_ok:
+            return Verdict.REMOTE_HIT, None
+        if self.request_failed:
+            return Verdict.REQUEST_FAILED, self.failed_reason or "request failed before the read completed"
+        return Verdict.UNKNOWN, "read started but no completion was seen"
+
+    def computed_tokens(self) -> int:
+        """Prompt tokens P computed itself."""
+        read = self.remote_read_tokens if self.read_ok else 0
+        return max(self.prompt_tokens - self.local_hit_tokens - read, 0)
+
+    def report(self, *, bidirectional: bool, threshold: int) -> PrefillReport:
+        """The PrefillReport P returns under ``kv_transfer_params["kvdiag"]``."""
+        verdict, reason = self.outcome(bidirectional=bidirectional, threshold=threshold)
+        read_ok = self.read_ok and self.failure_type is None
+        return PrefillReport(
+            engine_request_id=self.engine_request_id,
+            engine_id=self.engine_id,
+            prompt_tokens=self.prompt_tokens,
+            local_hit_tokens=self.local_hit_tokens,
+            remote_offered_tokens=self.remote_offered_tokens,
+            remote_read_tokens=self.remote_read_tokens if read_ok else 0,
+            computed_tokens=self.computed_tokens(),
+            transfer_bytes=self.transfer_bytes,
+            transfer_ms=round(self.transfer_ms, 3),
+            outcome=verdict.value,
+            reason=reason,
+            failure_type=self.failure_type,
+            remote_engine_id=self.remote_engine_id,
+            remote_request_id=self.remote_request_id,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-hash digest (vLLM issue #43094): D says which sequence it holds, P checks its prompt.
+
+DIGEST_KEY: Final = "kvdiag_digest"
+DIGEST_BYTES: Final = 4          # bytes kept per checkpoint (hex: 8 chars)
+MAX_CHECKPOINTS: Final = 256     # bounds the params size whatever the sequence length
+
+
+def make_digest(block_hashes: list[bytes], block_size: int) -> dict[str, Any]:
+    """A compact digest of chained block hashes: a short prefix of every ``stride``-th hash.
+
+    vLLM's block hashes chain the parent's hash, so equal hashes at block ``i`` mean equal
+    tokens in blocks ``0..i``; a checkpoint every ``stride`` blocks bounds the first divergence
+    to one stride.
+    """
+    n = len(block_hashes)
+    stride = max(1, -(-n // MAX_CHECKPOINTS))
+    checkpoints = [bytes(block_hashes[i])[:DIGEST_BYTES].hex() for i in range(stride - 1, n, stride)]
+    return {"block_size": block_size, "stride": stride, "blocks": n, "h": checkpoints}
+
+
+class DigestError(ValueError):
+    """A digest received in kv_transfer_params is malformed (client-supplied: never trusted)."""
+
+
+def _parse_digest(obj: Any) -> tuple[int, int, int, list[str]]:
+    if not isinstance(obj, dict):
+        raise DigestError("digest must be an object")
+    block_size, stride, blocks, hashes = obj.get("block_size"), obj.get("stride"), obj.get("blocks"), obj.get("h")
+    for name, value in (("block_size", block_size), ("stride", stride), ("blocks", blocks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 10_000_000:
+            raise DigestError(f"digest field {name!r} must be a small non-negative integer")
+    if not isinstance(hashes, list) or len(hashes) > MAX_CHECKPOINTS:
+        raise DigestError(f"digest field 'h' must be a list of at most {MAX_CHECKPOINTS} strings")
+    if not all(isinstance(h, str) and len(h) == 2 * DIGEST_BYTES for h in hashes):
+        raise DigestError("digest checkpoints must be hex strings of 8 characters")
+    assert isinstance(block_size, int) and isinstance(stride, int) and isinstance(blocks, int)
+    if stride < 1 or len(hashes) != blocks // stride:
+        raise DigestError("digest checkpoint count does not match blocks/stride")
+    return block_size, stride, blocks, hashes
+
+
+def first_mismatch(digest: Any, prompt_hashes: list[bytes], block_size: int) -> tuple[int | None, int]:
+    """Compare D's digest with P's prompt block hashes.
+
+    Returns ``(first_diverging_block or None, matching_blocks)``: the first block (0-based) that is
+    known to differ, and how many leading blocks are known to match (a multiple of the stride).
+    Only the blocks both sides hold are compared. Raises DigestError on a malformed digest.
+    """
+    d_block_size, stride, _blocks, hashes = _parse_digest(digest)
+    if d_block_size != block_size:
+        raise DigestError(f"digest block_size {d_block_size} differs from P's {block_size}")
+    matched = 0
+    for k, checkpoint in enumerate(hashes):
+        index = (k + 1) * stride - 1
+        if index >= len(prompt_hashes):
+            break
+        if bytes(prompt_hashes[index])[:DIGEST_BYTES].hex() != checkpoint:
+            return matched, matched
+        matched = index + 1
+    return None, matched

@@ -1,0 +1,115 @@
+"""The router's configuration: one frozen value, validated once at startup.
+
+Usage::
+
+    config = RouterConfig(prefill=(Upstream("127.0.0.1", 8100),), decode=(Upstream("127.0.0.1", 8200),))
+    config.validate()   # raises ConfigError naming the option and the fix
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+DEFAULT_DECODER_KV_BLOCKS_TTL: Final = 480.0  # vLLM's default decoder_kv_blocks_ttl (seconds)
+DEFAULT_TTL_MARGIN: Final = 30.0  # 480 - 30 = 450 s, the example proxy's TTL
+# P declines a D->P read when D's deadline is within this many seconds (vLLM pull_worker.py).
+P_EXPIRY_SAFETY_MARGIN: Final = 5.0
+
+
+class ConfigError(ValueError):
+    """The router cannot start with these options; the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One vLLM engine's HTTP endpoint."""
+
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` (IPv6 literals bracketed)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs; build it in the CLI, validate it, never mutate it."""
+
+    prefill: tuple[Upstream, ...]
+    decode: tuple[Upstream, ...]
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # state
+    state: str = "memory"  # "memory" or a redis:// / rediss:// / unix:// URL
+    decoder_kv_blocks_ttl: float = DEFAULT_DECODER_KV_BLOCKS_TTL
+    entry_ttl: float | None = None  # None: decoder_kv_blocks_ttl - DEFAULT_TTL_MARGIN
+    max_entries: int = 100_000
+    # the per-conversation "last turn" record outlives the handle so a later turn can say why it missed
+    last_turn_ttl: float = 3600.0
+    # timeouts (seconds)
+    prefill_timeout: float = 120.0
+    decode_timeout: float = 120.0  # connect + time between two reads of the decode stream
+    connect_timeout: float = 5.0
+    # connection pools
+    max_connections: int = 1000
+    max_connections_per_host: int = 500
+    # telemetry
+    events_file: Path | None = None
+    proxy_log: Path | None = None
+    hash_ids: bool = False
+    otlp_endpoint: str | None = None
+    service_name: str = "kvdiag-router"
+    # how many distinct `model` label values metrics keep before folding the rest into "other"
+    max_model_labels: int = 16
+
+    @property
+    def handle_ttl(self) -> float:
+        """The router's entry TTL in seconds (explicit or derived from D's block TTL)."""
+        if self.entry_ttl is not None:
+            return self.entry_ttl
+        return max(self.decoder_kv_blocks_ttl - DEFAULT_TTL_MARGIN, self.decoder_kv_blocks_ttl / 2)
+
+    @property
+    def lock_ttl(self) -> float:
+        """How long a turn's in-flight claim lives if its router dies mid-turn."""
+        return self.prefill_timeout + self.decode_timeout + 30.0
+
+    def validate(self) -> RouterConfig:
+        """Check every option; raise ConfigError naming the first bad one and the fix. Returns self."""
+        if not self.prefill:
+            raise ConfigError("no prefill instance: pass --prefiller-hosts/--prefiller-ports")
+        if not self.decode:
+            raise ConfigError("no decode instance: pass --decoder-hosts/--decoder-ports")
+        for role, ups in (("prefiller", self.prefill), ("decoder", self.decode)):
+            for up in ups:
+                if not 0 < up.port < 65536:
+                    raise ConfigError(f"--{role}-ports: {up.port} is not a TCP port (1-65535)")
+        if self.decoder_kv_blocks_ttl <= 0:
+            raise ConfigError("--decoder-kv-blocks-ttl must be positive (vLLM's default is 480)")
+        ttl = self.handle_ttl
+        if ttl <= 0:
+            raise ConfigError("--entry-ttl must be positive")
+        if ttl >= self.decoder_kv_blocks_ttl:
+            raise ConfigError(
+                f"--entry-ttl {ttl:g}s must be below decoder_kv_blocks_ttl ({self.decoder_kv_blocks_ttl:g}s): "
+                "D frees a conversation's blocks after that TTL (not renewed), so a handle the router still "
+                "holds would point at released blocks and every late turn would fail or recompute. "
+                f"Use --entry-ttl {max(self.decoder_kv_blocks_ttl - DEFAULT_TTL_MARGIN, 1):g} or raise "
+                "--decoder-kv-blocks-ttl to match D's kv_connector_extra_config")
+        if self.max_entries < 1:
+            raise ConfigError("--max-entries must be at least 1")
+        if self.last_turn_ttl < ttl:
+            raise ConfigError("--last-turn-ttl must be at least the entry TTL, or expiry cannot be told apart")
+        for name in ("prefill_timeout", "decode_timeout", "connect_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive (seconds)")
+        if self.max_connections < 1 or self.max_connections_per_host < 1:
+            raise ConfigError("--max-connections must be at least 1")
+        if self.state != "memory" and not self.state.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"--state {self.state!r}: use 'memory' or a redis://host:port/db URL")
+        return self

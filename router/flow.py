@@ -1,0 +1,702 @@
+"""One turn through the router: claim → prefill leg → decode leg → pass-through → store.
+
+The handle for the next turn is stored (and the conversation's claim released) *before* the
+client receives the end of the stream, so a client that sends its next turn the moment it sees
+``[DONE]`` always finds it (and is never mistaken for a concurrent turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import aiohttp
+from aiohttp import web
+
+from kvdiag.router.config import RouterConfig
+from kvdiag.router.security import (
+    PromptPrefix,
+    check_prefix,
+    earlier_turns,
+    hash_conversation_id,
+    store_key,
+    tenant_of,
+)
+from kvdiag.router.sse import PARAMS_KEY, SSECapture
+from kvdiag.router.store import Claim, Handle, LastTurn, Store, StoreError
+from kvdiag.router.telemetry import RouterTelemetry
+from kvdiag.router.turns import HIT, TurnState, decide_lookup, prefill_verdict
+from kvdiag.router.upstream import LegError, Upstreams, check_json_response
+from kvdiag.schema.events import REPORT_KEY, EventFormatError, PrefillReport
+from kvdiag.schema.verdicts import Verdict
+
+if TYPE_CHECKING:  # opentelemetry is only imported when tracing is on (the otel extra)
+    from opentelemetry.trace import Span
+
+    from kvdiag.exporters.otel import Tracing
+
+_logger = logging.getLogger(__name__)
+
+TRACE_HEADERS: Final = ("traceparent", "tracestate")  # vLLM's TRACE_HEADERS (W3C)
+
+# What P gets on a miss (vllm.md §2(a)).
+MISS_PARAMS: Final = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+MAX_CONVERSATION_ID: Final = 1024
+_RETRY_SAME_P_KINDS: Final = frozenset({"http_5xx", "timeout", "stream_broken"})
+
+
+class ClientRequestError(Exception):
+    """The client's request cannot be routed (400)."""
+
+
+def openai_error(message: str, status: int, err_type: str = "upstream_error") -> web.Response:
+    """An OpenAI-style JSON error response."""
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def sse_error_event(message: str, status: int = 502) -> bytes:
+    """An SSE error event as vLLM streams one, then ``[DONE]``."""
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+@dataclass
+class _Turn:
+    """Mutable per-turn context the flow threads through its steps."""
+
+    state: TurnState
+    conv_log: str | None = None  # the conversation id as logs show it (hashed with --hash-ids)
+    key: str | None = None
+    claim: Claim | None = None
+    prefix: PromptPrefix | None = None
+    handle: Handle | None = None  # the handle injected into P's request
+    handle_reached_p: bool = False  # P may have read it: never give it back
+    reached_decode: bool = False
+    store_done: bool = False
+
+
+class TurnFlow:
+    """Runs turns; shared by the chat and completions handlers."""
+
+    def __init__(self, config: RouterConfig, store: Store, telemetry: RouterTelemetry, upstreams: Upstreams,
+                 tracing: Tracing | None) -> None:
+        self.config = config
+        self.store = store
+        self.telemetry = telemetry
+        self.upstreams = upstreams
+        self.tracing = tracing
+        self._background: set[asyncio.Task[None]] = set()
+        self._reporting_prefill: set[int] = set()  # P instances seen sending kvdiag reports (instrumented)
+        self._env_auth = f"Bearer {os.environ['OPENAI_API_KEY']}" if os.environ.get("OPENAI_API_KEY") else None
+
+    async def drain(self) -> None:
+        """Wait for bookkeeping tasks started by cancelled turns."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ------------------------------------------------------------------ entry point
+    async def handle(self, request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
+        """Route one client request to P then D."""
+        state = TurnState(request_id=uuid.uuid4().hex, endpoint=endpoint, started=time.perf_counter())
+        turn = _Turn(state)
+        tel = self.telemetry
+        tel.in_flight.inc()
+        cancelled = False
+        try:
+            if self.tracing is None:
+                state.trace_id = _trace_id_from_traceparent(request.headers.get("traceparent"))
+                return await self._run(request, turn, path, None)
+            with self.tracing.turn_span(request.headers) as span:
+                state.trace_id = self.tracing.trace_id(span)
+                try:
+                    return await self._run(request, turn, path, span)
+                finally:
+                    self._finish_span(span, turn)
+        except asyncio.CancelledError:
+            cancelled = True  # aiohttp cancels the handler when the client disconnects
+            self._client_gone(turn)
+            raise
+        finally:
+            tel.in_flight.dec()
+            if cancelled:
+                # The handler is being cancelled: finish the bookkeeping in its own task.
+                task = asyncio.get_running_loop().create_task(self._close_turn(turn))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
+                await self._close_turn(turn)
+
+    async def _close_turn(self, turn: _Turn) -> None:
+        state = turn.state
+        if not turn.store_done:
+            await self._store_result(turn, None)
+        state.duration_ms = (time.perf_counter() - state.started) * 1000.0
+        self.telemetry.request(state.endpoint, state.http_status)
+        if state.lookup is not None:
+            self.telemetry.turn(state)
+
+    # ------------------------------------------------------------------ the turn
+    async def _run(self, request: web.Request, turn: _Turn, path: str, span: Span | None) -> web.StreamResponse:
+        state = turn.state
+        try:
+            body = await self._read_body(request, turn)
+        except ClientRequestError as exc:
+            state.status, state.http_status, state.error = "error", 400, str(exc)
+            return openai_error(str(exc), 400, "invalid_request_error")
+        await self._lookup(body, turn)
+        proxy_log = self.telemetry.proxy_log
+        lookup = state.lookup
+        assert lookup is not None
+        if proxy_log is not None:
+            self._log_lookup(turn)
+        headers = self._upstream_headers(request, state.request_id)
+        if span is not None:
+            span.set_attribute("kvdiag.turn", lookup.turn)
+            span.set_attribute("kvdiag.lookup", lookup.result)
+            if state.conversation_id is not None:
+                span.set_attribute("kvdiag.conversation", hash_conversation_id(state.conversation_id)
+                                   if not state.id_hashed else state.conversation_id)
+        # --- prefill leg
+        try:
+            p_params, p_index = await self._prefill_leg(path, body, headers, turn, span)
+        except LegError as exc:
+            return self._prefill_failed(turn, exc)
+        if proxy_log is not None:
+            proxy_log.prefill_done(state.request_id, state.prefill_ms or 0.0)
+        # --- decode leg
+        decode_body = dict(body)
+        decode_body[PARAMS_KEY] = p_params
+        if p_params is not None and "remote_host" in p_params:
+            p_params["remote_host"] = self.upstreams.prefill[p_index].host  # as the example proxy does
+        payload = json.dumps(decode_body, separators=(",", ":")).encode()
+        if state.stream:
+            return await self._decode_streaming(request, path, payload, headers, turn, span)
+        return await self._decode_json(path, payload, headers, turn, span)
+
+    async def _read_body(self, request: web.Request, turn: _Turn) -> dict[str, Any]:
+        state = turn.state
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ClientRequestError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ClientRequestError("request body must be a JSON object")
+        conv = body.pop("conversation_id", None)
+        if conv is None:
+            conv = request.headers.get("X-Conversation-Id")
+        if isinstance(conv, bool) or (conv is not None and not isinstance(conv, str | int)):
+            raise ClientRequestError("conversation_id must be a string")
+        if conv is not None:
+            conv = str(conv)
+            if len(conv) > MAX_CONVERSATION_ID:
+                raise ClientRequestError(f"conversation_id is longer than {MAX_CONVERSATION_ID} characters")
+            if not conv:
+                conv = None
+        if body.pop(PARAMS_KEY, None) is not None:
+            # Never trust client-supplied params: they could name another tenant's blocks.
+            state.client_params_dropped = True
+            self.telemetry.client_params_dropped()
+        state.stream = bool(body.get("stream", False))
+        state.model = body.get("model") if isinstance(body.get("model"), str) else None
+        state.tenant = tenant_of(request.headers.get("Authorization"))
+        if conv is not None:
+            turn.key = store_key(state.tenant, conv)
+            state.id_hashed = self.config.hash_ids
+            state.conversation_id = hash_conversation_id(conv) if self.config.hash_ids else conv
+            turn.conv_log = state.conversation_id
+        return body
+
+    async def _lookup(self, body: dict[str, Any], turn: _Turn) -> None:
+        state = turn.state
+        store_error = None
+        claim = None
+        if turn.key is not None:
+            try:
+                claim = await self.store.claim(turn.key)
+            except StoreError as exc:
+                store_error = str(exc)
+                self.telemetry.store_error("claim")
+                _logger.warning("store claim failed: %s", exc)
+        turn.claim = claim
+        stored_prefix = claim.handle.prefix if claim is not None and claim.handle is not None else None
+        prefix = check_prefix(body, stored_prefix)
+        turn.prefix = prefix.prefix
+        lookup = decide_lookup(has_id=turn.key is not None, claim=claim, prefix=prefix,
+                               earlier_turns=earlier_turns(body), now=time.time(), entry_ttl=self.config.handle_ttl,
+                               store_error=store_error)
+        state.lookup = lookup
+        if lookup.verdict is not None:
+            state.verdict, state.reason = lookup.verdict, lookup.reason
+        turn.handle = lookup.handle
+
+    def _log_lookup(self, turn: _Turn) -> None:
+        log = self.telemetry.proxy_log
+        state, lookup = turn.state, turn.state.lookup
+        if log is None or lookup is None:
+            return
+        if turn.key is None:
+            log.no_conversation_id(state.request_id)
+            return
+        conv = turn.conv_log or ""
+        if lookup.result == "expired" and lookup.entry_age_s is not None:
+            log.stale(conv, lookup.entry_age_s, self.config.handle_ttl)
+        if lookup.result == HIT and turn.handle is not None:
+            log.hit(conv, lookup.entry_age_s or 0.0)
+            log.sending(state.request_id, conv, turn.handle.params.get("remote_request_id"))
+        else:
+            log.miss(state.request_id, conv)
+
+    def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        auth = request.headers.get("Authorization") or self._env_auth
+        if auth:
+            headers["Authorization"] = auth
+        if self.tracing is None:
+            # Tracing off: still carry the client's trace context to P and D.
+            for name in TRACE_HEADERS:
+                value = request.headers.get(name)
+                if value:
+                    headers[name] = value
+        return headers
+
+    # ------------------------------------------------------------------ prefill
+    async def _prefill_leg(self, path: str, body: dict[str, Any], headers: dict[str, str], turn: _Turn,
+                           span: Span | None) -> tuple[dict[str, Any] | None, int]:
+        """Run the prefill leg with retries; return P's params for D and the P index that answered."""
+        state = turn.state
+        order = self.upstreams.prefill_order()
+        handle = turn.handle
+        first_params = _handle_params(handle.params) if handle is not None else dict(MISS_PARAMS)
+        attempts: list[tuple[int, dict[str, Any], bool]] = [(order[0], first_params, handle is not None)]
+        attempts += [(i, dict(MISS_PARAMS), False) for i in order[1:]]
+        started = time.perf_counter()
+        last_error: LegError | None = None
+        try:
+            while attempts:
+                index, params, with_handle = attempts.pop(0)
+                state.prefill_attempts += 1
+                prefill_body = _prefill_body(body, params)
+                if with_handle:
+                    turn.handle_reached_p = True  # until P is known not to have received it
+                try:
+                    obj = await self._post_prefill(index, path, prefill_body, headers, span)
+                except LegError as exc:
+                    self.telemetry.upstream_error("prefill", exc.kind)
+                    last_error = exc
+                    if with_handle:
+                        turn.handle_reached_p = exc.reached
+                        self._handle_failed(turn, exc, index)
+                        if exc.kind in _RETRY_SAME_P_KINDS:
+                            # The failure may be the handle's (expired or failed read): same P, fresh params.
+                            attempts.insert(0, (index, dict(MISS_PARAMS), False))
+                    if exc.kind == "http_4xx":
+                        raise
+                    continue
+                return self._prefill_succeeded(obj, index, with_handle, turn), index
+        finally:
+            state.prefill_ms = (time.perf_counter() - started) * 1000.0
+        assert last_error is not None
+        raise last_error
+
+    async def _post_prefill(self, index: int, path: str, body: dict[str, Any], headers: dict[str, str],
+                            span: Span | None) -> dict[str, Any]:
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        if span is None or self.tracing is None:
+            obj = await self.upstreams.post_prefill(index, path, payload, headers)
+        else:
+            leg_headers = dict(headers)
+            with self.tracing.prefill_span(span, leg_headers, {"kvdiag.prefill_index": index}) as leg:
+                try:
+                    obj = await self.upstreams.post_prefill(index, path, payload, leg_headers)
+                except LegError as exc:
+                    self.tracing.set_error(leg, f"{exc.kind}: {exc}")
+                    raise
+                _annotate_usage(leg, obj)
+        if _finish_reason(obj) == "error":
+            # vLLM's KV load failure under policy "fail": HTTP 200, finish_reason "error", params null.
+            raise LegError("prefill", "http_5xx", "P finished the prefill with an error (KV load failure?)",
+                           status=200, payload=obj)
+        return obj
+
+    def _handle_failed(self, turn: _Turn, exc: LegError, index: int) -> None:
+        """P failed a request that carried D's handle: the verdict is the reuse cause (or not)."""
+        state = turn.state
+        report = _report_from(_report_in(exc.payload), self.telemetry) if exc.payload else None
+        if report is not None:
+            state.report = report
+            self._reporting_prefill.add(index)
+        elif exc.kind == "http_5xx" and exc.status is not None and exc.status >= 500 \
+                and index in self._reporting_prefill:
+            # An instrumented P reports every KV failure; an HTTP error without a report is something else.
+            state.verdict, state.reason = Verdict.REQUEST_FAILED, f"P failed the request: {exc}"
+            return
+        lookup = state.lookup
+        verdict, reason = prefill_verdict(report=report, cached_tokens=None, failed=True,
+                                          entry_age_s=lookup.entry_age_s if lookup else None,
+                                          decoder_ttl=self.config.decoder_kv_blocks_ttl)
+        state.verdict, state.reason = verdict, f"{reason}; retried without the handle"
+
+    def _prefill_succeeded(self, obj: dict[str, Any], index: int, with_handle: bool,
+                           turn: _Turn) -> dict[str, Any] | None:
+        state = turn.state
+        state.prefill_index = index
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            state.prompt_tokens = _int(usage.get("prompt_tokens"))
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                state.cached_tokens = _int(details.get("cached_tokens"))
+        raw_params = obj.get(PARAMS_KEY)
+        params = dict(raw_params) if isinstance(raw_params, dict) else None
+        report = None
+        if params is not None and REPORT_KEY in params:
+            report = _report_from(params.pop(REPORT_KEY), self.telemetry)
+            if report is not None:
+                self._reporting_prefill.add(index)
+        if with_handle:
+            state.report = report
+            verdict, reason = prefill_verdict(report=report, cached_tokens=state.cached_tokens, failed=False,
+                                              entry_age_s=None, decoder_ttl=self.config.decoder_kv_blocks_ttl)
+            state.verdict, state.reason = verdict, reason
+        elif report is not None and state.report is None:
+            state.report = report  # P's accounting of a turn without a handle (tokens, engine ids)
+        return params
+
+    def _prefill_failed(self, turn: _Turn, exc: LegError) -> web.Response:
+        state = turn.state
+        state.status = "timeout" if exc.kind == "timeout" else "error"
+        state.error = str(exc)
+        if turn.handle is None or state.verdict in (Verdict.FIRST_TURN, Verdict.UNKNOWN):
+            state.verdict, state.reason = Verdict.REQUEST_FAILED, f"prefill failed: {exc}"
+        if exc.kind == "http_4xx" and exc.status is not None:
+            # The client's request was bad: pass P's answer through unchanged.
+            state.http_status = exc.status
+            return web.Response(body=exc.body, status=exc.status, content_type=_mime(exc.content_type))
+        state.http_status = 502
+        state.missing_reason = "prefill_failed"
+        return openai_error(f"prefill failed on every instance: {exc}", 502)
+
+    # ------------------------------------------------------------------ decode
+    async def _open_decode(self, path: str, payload: bytes, headers: dict[str, str],
+                           turn: _Turn) -> tuple[aiohttp.ClientResponse, int, float]:
+        """Open the decode response on the round-robin D, trying the next D only when one is unreachable."""
+        last: LegError | None = None
+        for index in self.upstreams.decode_order():
+            started = time.perf_counter()
+            try:
+                resp = await self.upstreams.open_decode(index, path, payload, headers)
+            except LegError as exc:
+                self.telemetry.upstream_error("decode", exc.kind)
+                last = exc
+                if exc.kind == "connect":
+                    continue
+                raise
+            turn.state.decode_index = index
+            return resp, index, started
+        assert last is not None
+        raise last
+
+    def _decode_failed_before_body(self, turn: _Turn, exc: LegError) -> web.Response:
+        state = turn.state
+        state.status = "timeout" if exc.kind == "timeout" else "error"
+        state.error = str(exc)
+        state.missing_reason = "decode_failed"
+        self._mark_request_failed(state, f"decode failed: {exc}")
+        if exc.kind == "http_4xx" and exc.status is not None:
+            state.http_status = exc.status
+            return web.Response(body=exc.body, status=exc.status, content_type=_mime(exc.content_type))
+        state.http_status = 502
+        return openai_error(f"decode failed: {exc}", 502)
+
+    async def _decode_streaming(self, request: web.Request, path: str, payload: bytes, headers: dict[str, str],
+                                turn: _Turn, span: Span | None) -> web.StreamResponse:
+        state = turn.state
+        turn.reached_decode = True
+        leg_cm = (self.tracing.decode_span(span, headers) if span is not None and self.tracing
+                  else contextlib.nullcontext(None))
+        with leg_cm as leg:
+            try:
+                resp, d_index, started = await self._open_decode(path, payload, headers, turn)
+            except LegError as exc:
+                if leg is not None and self.tracing is not None:
+                    self.tracing.set_error(leg, str(exc))
+                return self._decode_failed_before_body(turn, exc)
+            out = web.StreamResponse(status=200, headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", "X-Request-Id": state.request_id})
+            capture = SSECapture()
+            failure: LegError | None = None
+            client_gone = False
+            try:
+                await out.prepare(request)
+                first = True
+                async for chunk in resp.content.iter_any():
+                    if first:
+                        state.ttft_ms = (time.perf_counter() - state.started) * 1000.0
+                        first = False
+                    capture.feed(chunk)
+                    if capture.done and not turn.store_done:
+                        # Store before the client sees [DONE]: its next turn must find the handle.
+                        await self._store_from_capture(turn, capture, d_index)
+                    try:
+                        await out.write(chunk)
+                    except ConnectionResetError:
+                        client_gone = True
+                        break
+            except ConnectionResetError:
+                client_gone = True  # the client went away before the headers were sent
+            except TimeoutError:
+                failure = LegError("decode", "timeout", f"decode stream idle for {self.config.decode_timeout:g}s")
+            except aiohttp.ClientPayloadError as exc:
+                failure = LegError("decode", "stream_broken", f"decode stream broke: {exc}")
+            except aiohttp.ClientError as exc:
+                failure = LegError("decode", "stream_broken", f"decode stream broke: {type(exc).__name__}: {exc}")
+            finally:
+                if capture.done and not client_gone:
+                    resp.release()
+                else:
+                    resp.close()  # cancels the upstream request (client gone or stream failed)
+                state.decode_ms = (time.perf_counter() - started) * 1000.0
+            capture.close()
+            state.completion_tokens = _int((capture.usage or {}).get("completion_tokens"))
+            if client_gone:
+                self._client_gone(turn)
+                await self._store_result(turn, None)
+                return out
+            if failure is None and capture.malformed is not None:
+                failure = LegError("decode", "malformed", capture.malformed)
+            if failure is None and not capture.done and capture.error is None:
+                failure = LegError("decode", "stream_broken", "decode stream ended without [DONE]")
+            if failure is not None or capture.error is not None:
+                message = str(failure) if failure is not None else f"decode sent an error event: {capture.error}"
+                if failure is not None:
+                    self.telemetry.upstream_error("decode", failure.kind)
+                state.status, state.error = "error", message
+                state.missing_reason = "decode_failed"
+                self._mark_request_failed(state, message)
+                if leg is not None and self.tracing is not None:
+                    self.tracing.set_error(leg, message)
+                await self._store_result(turn, None)  # nothing stored, claim released
+                if failure is not None:
+                    with contextlib.suppress(ConnectionResetError):
+                        await out.write(sse_error_event(message))
+            elif not turn.store_done:
+                await self._store_from_capture(turn, capture, d_index)
+            if leg is not None:
+                leg.set_attribute("gen_ai.usage.completion_tokens", state.completion_tokens or 0)
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        return out
+
+    def _client_gone(self, turn: _Turn) -> None:
+        state = turn.state
+        state.status, state.http_status = "disconnected", 499
+        if state.missing_reason is None and not turn.store_done:
+            state.missing_reason = "client_disconnected"
+        self.telemetry.metrics.counter("kvdiag_client_disconnects").inc()
+
+    async def _decode_json(self, path: str, payload: bytes, headers: dict[str, str], turn: _Turn,
+                           span: Span | None) -> web.StreamResponse:
+        state = turn.state
+        turn.reached_decode = True
+        leg_cm = (self.tracing.decode_span(span, headers) if span is not None and self.tracing
+                  else contextlib.nullcontext(None))
+        with leg_cm as leg:
+            started = time.perf_counter()
+            try:
+                resp, d_index, started = await self._open_decode(path, payload, headers, turn)
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.release()
+                obj = check_json_response("decode", str(resp.url), resp.status, raw,
+                                          resp.headers.get("Content-Type", ""))
+            except LegError as exc:
+                state.decode_ms = (time.perf_counter() - started) * 1000.0
+                if exc.kind == "malformed":
+                    self.telemetry.upstream_error("decode", exc.kind)
+                if leg is not None and self.tracing is not None:
+                    self.tracing.set_error(leg, str(exc))
+                return self._decode_failed_before_body(turn, exc)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                state.decode_ms = (time.perf_counter() - started) * 1000.0
+                kind = "timeout" if isinstance(exc, TimeoutError) else "stream_broken"
+                self.telemetry.upstream_error("decode", kind)
+                return self._decode_failed_before_body(turn, LegError("decode", kind, f"decode failed: {exc}"))
+            state.decode_ms = (time.perf_counter() - started) * 1000.0
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                state.completion_tokens = _int(usage.get("completion_tokens"))
+            params = obj.pop(PARAMS_KEY, None)
+            if isinstance(params, dict):
+                await self._store_result(turn, self._handle_from(params, d_index, turn))
+            else:
+                reason = "aborted" if _finish_reason(obj) == "abort" else "bidirectional_off_on_decode"
+                state.missing_reason = reason
+                await self._store_result(turn, None)
+            if leg is not None:
+                leg.set_attribute("gen_ai.usage.completion_tokens", state.completion_tokens or 0)
+        return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=200,
+                            content_type="application/json", headers={"X-Request-Id": state.request_id})
+
+    @staticmethod
+    def _mark_request_failed(state: TurnState, message: str) -> None:
+        prefill_outcome = state.verdict.value
+        state.verdict = Verdict.REQUEST_FAILED
+        state.reason = f"{message} (prefill verdict: {prefill_outcome})"
+
+    # ------------------------------------------------------------------ store
+    def _handle_from(self, params: dict[str, Any], d_index: int, turn: _Turn) -> Handle:
+        params = dict(params)
+        if "remote_host" in params:
+            params["remote_host"] = self.upstreams.decode[d_index].host  # as the example proxy does
+        lookup = turn.state.lookup
+        return Handle(params=params, stored_at=time.time(), turn=lookup.turn if lookup else 1,
+                      request_id=turn.state.request_id, prefix=turn.prefix)
+
+    async def _store_from_capture(self, turn: _Turn, capture: SSECapture, d_index: int) -> None:
+        state = turn.state
+        if capture.params is not None and capture.error is None and capture.malformed is None:
+            await self._store_result(turn, self._handle_from(capture.params, d_index, turn))
+            return
+        if capture.error is not None or capture.malformed is not None:
+            state.missing_reason = "decode_failed"
+        elif capture.finish_reason == "abort":
+            state.missing_reason = "aborted"
+        elif capture.params_present:
+            state.missing_reason = "bidirectional_off_on_decode"  # the key is there, D sent null
+        else:
+            state.missing_reason = "not_streamed"  # stock vLLM without PR #40186
+        await self._store_result(turn, None)
+
+    async def _store_result(self, turn: _Turn, handle: Handle | None) -> None:
+        """End the conversation's claim once: store the new handle or record why there is none."""
+        if turn.store_done:
+            return
+        turn.store_done = True
+        state, claim, key = turn.state, turn.claim, turn.key
+        if claim is None or key is None or claim.token is None:
+            return
+        lookup = state.lookup
+        try:
+            if not turn.reached_decode and not turn.handle_reached_p:
+                # P never read the handle: give it back for the next turn.
+                await self.store.release(key, claim.token, turn.handle)
+                return
+            last = LastTurn(turn=lookup.turn if lookup else 1, ended_at=time.time(), stored=handle is not None,
+                            request_id=state.request_id,
+                            missing_reason=None if handle is not None else (state.missing_reason or "unknown"))
+            stored = await self.store.complete(key, claim.token, handle, last)
+            state.stored = stored and handle is not None
+        except StoreError as exc:
+            self.telemetry.store_error("release" if not turn.reached_decode else "complete")
+            _logger.warning("store update failed: %s", exc)
+            return
+        log = self.telemetry.proxy_log
+        if state.stored and handle is not None and log is not None:
+            blocks = handle.params.get("remote_block_ids")
+            first = blocks[0] if isinstance(blocks, list) and blocks and isinstance(blocks[0], list) else []
+            log.cached(turn.conv_log or "", handle.params.get("remote_request_id"), len(first))
+
+    def _finish_span(self, span: Span, turn: _Turn) -> None:
+        state = turn.state
+        try:
+            span.set_attribute("kvdiag.verdict", state.verdict.value)
+            span.set_attribute("kvdiag.request_id", state.request_id)
+            span.set_attribute("http.response.status_code", state.http_status)
+            if state.prompt_tokens is not None:
+                span.set_attribute("gen_ai.usage.prompt_tokens", state.prompt_tokens)
+            if state.report is not None:
+                span.set_attribute("kvdiag.transfer_bytes", state.report.transfer_bytes)
+                span.set_attribute("kvdiag.remote_read_tokens", state.report.remote_read_tokens)
+            if state.status != "ok" and self.tracing is not None:
+                self.tracing.set_error(span, state.error or state.status)
+        except Exception:  # telemetry never breaks a turn
+            self.telemetry.emit_error()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _handle_params(stored: dict[str, Any]) -> dict[str, Any]:
+    params = dict(stored)
+    params["do_remote_decode"] = True
+    params["do_remote_prefill"] = False
+    return params
+
+
+def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    for key in ("min_tokens", "min_completion_tokens", "stream_options"):
+        out.pop(key, None)
+    out[PARAMS_KEY] = params
+    return out
+
+
+def _report_from(raw: Any, telemetry: RouterTelemetry) -> PrefillReport | None:
+    """Parse P's report; a malformed one is counted, logged and ignored."""
+    if raw is None:
+        return None
+    try:
+        return PrefillReport.from_dict(raw)
+    except EventFormatError as exc:
+        telemetry.emit_error()
+        _logger.warning("ignoring a malformed kvdiag report from P: %s", exc)
+        return None
+
+
+def _report_in(payload: dict[str, Any]) -> Any:
+    """Where a failed P response may carry the report: its params, or its error object."""
+    for holder in (payload.get(PARAMS_KEY), payload.get("error"), payload):
+        if isinstance(holder, dict) and isinstance(holder.get(REPORT_KEY), dict):
+            return holder[REPORT_KEY]
+    return None
+
+
+def _trace_id_from_traceparent(value: str | None) -> str | None:
+    """The trace id of a W3C ``traceparent`` (``00-<32 hex>-<16 hex>-<2 hex>``), if well formed."""
+    if not value:
+        return None
+    parts = value.strip().split("-")
+    if len(parts) != 4 or len(parts[1]) != 32:
+        return None
+    try:
+        if int(parts[1], 16) == 0:
+            return None
+    except ValueError:
+        return None
+    return parts[1].lower()
+
+
+def _finish_reason(obj: dict[str, Any]) -> str | None:
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        reason = choices[0].get("finish_reason")
+        return reason if isinstance(reason, str) else None
+    return None
+
+
+def _annotate_usage(span: Span, obj: dict[str, Any]) -> None:
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        span.set_attribute("gen_ai.usage.prompt_tokens", usage["prompt_tokens"])
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _mime(content_type: str) -> str:
+    return content_type.split(";", 1)[0].strip() or "application/json"

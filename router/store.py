@@ -1,0 +1,399 @@
+"""The conversation store: single-use decode handles, in-flight claims and last-turn records.
+
+Per conversation key (see :func:`kvdiag.router.security.store_key`) the store keeps
+
+* the **handle**: D's ``kv_transfer_params`` from the last completed turn, with its prompt digest.
+  It lives ``entry_ttl`` seconds and is taken out by exactly one :meth:`Store.claim`;
+* the **in-flight claim**: a token held while a turn runs. A second turn arriving meanwhile gets no
+  handle (it is a concurrent turn) and the first turn's handle is never read twice;
+* the **last-turn record**: how the previous turn ended (params stored or why not), kept longer
+  than the handle so the next turn can tell expiry, missing metadata and lost state apart.
+
+Two implementations: :class:`MemoryStore` (bounded LRU + TTL, one process) and
+:class:`RedisStore` (Redis expiry, Lua scripts for atomic claim/complete/release), which several
+router replicas share and which survives a router restart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis.asyncio as redis_asyncio
+
+from kvdiag.router.security import PromptPrefix
+
+EvictionCallback = Callable[[str, int], None]  # (reason "capacity" | "ttl", count)
+
+
+class StoreError(RuntimeError):
+    """The store could not be reached or answered nonsense; the turn goes on without reuse."""
+
+
+@dataclass(frozen=True)
+class Handle:
+    """D's kv_transfer_params for a conversation's next turn, and what they cover."""
+
+    params: dict[str, Any]
+    stored_at: float  # epoch seconds when the turn that produced it finished
+    turn: int
+    request_id: str
+    prefix: PromptPrefix | None = None
+
+    def to_json(self) -> str:
+        """Serialized form (ints stay ints, floats stay floats)."""
+        return json.dumps({"params": self.params, "stored_at": self.stored_at, "turn": self.turn,
+                           "request_id": self.request_id,
+                           "prefix": self.prefix.to_dict() if self.prefix else None}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Handle:
+        """Parse a stored handle; raise StoreError when it is not one."""
+        try:
+            obj = json.loads(raw)
+            return cls(params=dict(obj["params"]), stored_at=float(obj["stored_at"]), turn=int(obj["turn"]),
+                       request_id=str(obj["request_id"]), prefix=PromptPrefix.from_dict(obj.get("prefix")))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"corrupt handle in the store: {exc}") from None
+
+
+@dataclass(frozen=True)
+class LastTurn:
+    """How a conversation's most recent completed turn ended."""
+
+    turn: int
+    ended_at: float  # epoch seconds
+    stored: bool  # a handle was stored for the next turn
+    request_id: str
+    missing_reason: str | None = None  # why D's params did not arrive (when not stored)
+
+    def to_json(self) -> str:
+        """Serialized form."""
+        return json.dumps({"turn": self.turn, "ended_at": self.ended_at, "stored": self.stored,
+                           "request_id": self.request_id, "missing_reason": self.missing_reason},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> LastTurn:
+        """Parse a stored record; raise StoreError when it is not one."""
+        try:
+            obj = json.loads(raw)
+            return cls(turn=int(obj["turn"]), ended_at=float(obj["ended_at"]), stored=bool(obj["stored"]),
+                       request_id=str(obj["request_id"]), missing_reason=obj.get("missing_reason"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"corrupt last-turn record in the store: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The result of claiming a conversation for one turn."""
+
+    token: str | None  # None: another turn holds the conversation (concurrent turn)
+    handle: Handle | None
+    last: LastTurn | None
+
+    @property
+    def acquired(self) -> bool:
+        """True when this turn owns the conversation until complete/release."""
+        return self.token is not None
+
+
+class Store(Protocol):
+    """What the router needs from a conversation store. Every method is safe to call concurrently."""
+
+    capacity: int
+
+    async def claim(self, key: str) -> Claim:
+        """Take the conversation for one turn: the handle (single use) and the last-turn record."""
+        ...
+
+    async def complete(self, key: str, token: str, handle: Handle | None, last: LastTurn) -> bool:
+        """End the turn: store the new handle (if any) and the record; False if the claim was lost."""
+        ...
+
+    async def release(self, key: str, token: str, handle: Handle | None) -> None:
+        """End the turn without a result; give ``handle`` back (P never read it) if it is still valid."""
+        ...
+
+    async def size(self) -> int:
+        """Handles currently held (expired ones swept first)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+def _new_token() -> str:
+    return uuid.uuid4().hex
+
+
+class MemoryStore:
+    """In-process store: at most ``capacity`` handles (LRU), each living ``entry_ttl`` seconds.
+
+    Last-turn records are bounded by the same capacity and live ``last_turn_ttl`` seconds. A lost
+    process loses everything (``router_state_lost`` on the next turn); use Redis to avoid that.
+    """
+
+    def __init__(self, *, capacity: int, entry_ttl: float, last_turn_ttl: float, lock_ttl: float,
+                 on_evict: EvictionCallback | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.capacity = capacity
+        self.entry_ttl = entry_ttl
+        self.last_turn_ttl = last_turn_ttl
+        self.lock_ttl = lock_ttl
+        self._on_evict = on_evict
+        self._clock = clock
+        self._handles: OrderedDict[str, Handle] = OrderedDict()
+        self._last: OrderedDict[str, LastTurn] = OrderedDict()
+        self._locks: dict[str, tuple[str, float]] = {}
+
+    def _evicted(self, reason: str, n: int) -> None:
+        if n and self._on_evict is not None:
+            self._on_evict(reason, n)
+
+    def _expired(self, handle: Handle, now: float) -> bool:
+        return now - handle.stored_at >= self.entry_ttl
+
+    def claim_now(self, key: str) -> Claim:
+        """Synchronous :meth:`claim` (the memory store never waits)."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last.ended_at >= self.last_turn_ttl:
+            del self._last[key]
+            last = None
+        held = self._locks.get(key)
+        if held is not None and held[1] > now:
+            return Claim(None, None, last)
+        token = _new_token()
+        self._locks[key] = (token, now + self.lock_ttl)
+        handle = self._handles.pop(key, None)
+        if handle is not None and self._expired(handle, now):
+            self._evicted("ttl", 1)
+            handle = None
+        return Claim(token, handle, last)
+
+    def complete_now(self, key: str, token: str, handle: Handle | None, last: LastTurn) -> bool:
+        """Synchronous :meth:`complete`."""
+        held = self._locks.get(key)
+        now = self._clock()
+        if held is not None and held[0] != token and held[1] > now:
+            return False  # another turn owns the conversation now; keep its state
+        self._locks.pop(key, None)
+        if handle is not None:
+            self.put_handle(key, handle)
+        self._last[key] = last
+        self._last.move_to_end(key)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+        return True
+
+    def put_handle(self, key: str, handle: Handle) -> None:
+        """Store ``handle`` for ``key``, evicting the least recently stored handle beyond capacity."""
+        self._handles[key] = handle
+        self._handles.move_to_end(key)
+        if len(self._handles) > self.capacity:
+            self._handles.popitem(last=False)
+            self._evicted("capacity", 1)
+
+    def release_now(self, key: str, token: str, handle: Handle | None) -> None:
+        """Synchronous :meth:`release`."""
+        held = self._locks.get(key)
+        if held is None or held[0] != token:
+            return
+        del self._locks[key]
+        if handle is not None and key not in self._handles and not self._expired(handle, self._clock()):
+            self.put_handle(key, handle)
+
+    def sweep(self) -> int:
+        """Drop expired handles, records and stale claims; return how many handles expired."""
+        now = self._clock()
+        expired = 0
+        # Handles are stored in completion order and share one TTL, so expired ones sit at the front.
+        while self._handles:
+            key, handle = next(iter(self._handles.items()))
+            if not self._expired(handle, now):
+                break
+            del self._handles[key]
+            expired += 1
+        while self._last:
+            key, last = next(iter(self._last.items()))
+            if now - last.ended_at < self.last_turn_ttl:
+                break
+            del self._last[key]
+        for key in [k for k, (_, until) in self._locks.items() if until <= now]:
+            del self._locks[key]
+        self._evicted("ttl", expired)
+        return expired
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    async def claim(self, key: str) -> Claim:
+        """Take the conversation for one turn (see :class:`Store`)."""
+        return self.claim_now(key)
+
+    async def complete(self, key: str, token: str, handle: Handle | None, last: LastTurn) -> bool:
+        """End the turn (see :class:`Store`)."""
+        return self.complete_now(key, token, handle, last)
+
+    async def release(self, key: str, token: str, handle: Handle | None) -> None:
+        """End the turn without a result (see :class:`Store`)."""
+        self.release_now(key, token, handle)
+
+    async def size(self) -> int:
+        """Handles held after sweeping expired ones."""
+        self.sweep()
+        return len(self._handles)
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+# --- Redis --------------------------------------------------------------------------------------
+# Keys: {prefix}h:<key> handle, {prefix}l:<key> in-flight claim, {prefix}t:<key> last turn,
+# {prefix}idx sorted set of handle keys scored by expiry (ms) for the capacity bound and size().
+
+_CLAIM_LUA = """
+local last = redis.call('GET', KEYS[3]) or ''
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {0, '', last}
+end
+local h = redis.call('GET', KEYS[1])
+if h then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[4], KEYS[1])
+else
+  h = ''
+end
+return {1, h, last}
+"""
+
+_COMPLETE_LUA = """
+local owner = redis.call('GET', KEYS[2])
+if owner and owner ~= ARGV[1] then
+  return {0, 0}
+end
+if owner then redis.call('DEL', KEYS[2]) end
+local evicted = 0
+if ARGV[2] ~= '' then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  redis.call('ZADD', KEYS[4], tonumber(ARGV[7]) + tonumber(ARGV[3]), KEYS[1])
+  local n = redis.call('ZCARD', KEYS[4])
+  local max = tonumber(ARGV[6])
+  if n > max then
+    local victims = redis.call('ZPOPMIN', KEYS[4], n - max)
+    for i = 1, #victims, 2 do
+      redis.call('DEL', victims[i])
+      evicted = evicted + 1
+    end
+  end
+end
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
+return {1, evicted}
+"""
+
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+if ARGV[2] ~= '' and tonumber(ARGV[3]) > 0 then
+  if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then
+    redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) + tonumber(ARGV[3]), KEYS[1])
+  end
+end
+return 1
+"""
+
+_SIZE_LUA = """
+local gone = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+return {gone, redis.call('ZCARD', KEYS[1])}
+"""
+
+
+def _ms(seconds: float) -> int:
+    return max(int(seconds * 1000), 1)
+
+
+class RedisStore:
+    """Redis-backed store shared by router replicas; Redis expiry is the TTL, Lua makes each step atomic."""
+
+    def __init__(self, url: str, *, capacity: int, entry_ttl: float, last_turn_ttl: float, lock_ttl: float,
+                 prefix: str = "kvdiag:router:", on_evict: EvictionCallback | None = None,
+                 timeout: float = 2.0) -> None:
+        self.url = url
+        self.capacity = capacity
+        self.entry_ttl = entry_ttl
+        self.last_turn_ttl = last_turn_ttl
+        self.lock_ttl = lock_ttl
+        self.prefix = prefix
+        self._on_evict = on_evict
+        self._client: Any = redis_asyncio.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30)
+        self._claim = self._client.register_script(_CLAIM_LUA)
+        self._complete = self._client.register_script(_COMPLETE_LUA)
+        self._release = self._client.register_script(_RELEASE_LUA)
+        self._size = self._client.register_script(_SIZE_LUA)
+
+    def _keys(self, key: str) -> list[str]:
+        p = self.prefix
+        return [f"{p}h:{key}", f"{p}l:{key}", f"{p}t:{key}", f"{p}idx"]
+
+    def _evicted(self, reason: str, n: int) -> None:
+        if n and self._on_evict is not None:
+            self._on_evict(reason, n)
+
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except Exception as exc:  # redis raises many types (connection, timeout, response)
+            raise StoreError(f"redis store {self.url}: {type(exc).__name__}: {exc}") from exc
+
+    async def ping(self) -> None:
+        """Check the connection; raise StoreError with the URL when Redis is unreachable."""
+        try:
+            await self._client.ping()
+        except Exception as exc:
+            raise StoreError(f"cannot reach redis at {self.url}: {exc}") from exc
+
+    async def claim(self, key: str) -> Claim:
+        """Take the conversation for one turn (atomic: lock, GETDEL handle, read record)."""
+        token = _new_token()
+        ok, raw_handle, raw_last = await self._run(self._claim, self._keys(key), [token, _ms(self.lock_ttl)])
+        last = LastTurn.from_json(raw_last) if raw_last else None
+        if not int(ok):
+            return Claim(None, None, last)
+        handle = Handle.from_json(raw_handle) if raw_handle else None
+        return Claim(token, handle, last)
+
+    async def complete(self, key: str, token: str, handle: Handle | None, last: LastTurn) -> bool:
+        """End the turn: store the handle with Redis expiry, bound the index, write the record."""
+        now_ms = int(time.time() * 1000)
+        ttl_ms = _ms(self.entry_ttl - max(time.time() - handle.stored_at, 0.0)) if handle else 0
+        ok, evicted = await self._run(self._complete, self._keys(key), [
+            token, handle.to_json() if handle else "", ttl_ms, last.to_json(), _ms(self.last_turn_ttl),
+            self.capacity, now_ms])
+        self._evicted("capacity", int(evicted))
+        return bool(int(ok))
+
+    async def release(self, key: str, token: str, handle: Handle | None) -> None:
+        """Give ``handle`` back with its remaining TTL (if any) and drop the claim."""
+        remaining = self.entry_ttl - (time.time() - handle.stored_at) if handle else 0.0
+        await self._run(self._release, self._keys(key), [
+            token, handle.to_json() if handle and remaining > 0 else "", int(remaining * 1000),
+            int(time.time() * 1000)])
+
+    async def size(self) -> int:
+        """Handles held; index entries whose handle expired are dropped and counted as TTL evictions."""
+        gone, card = await self._run(self._size, [f"{self.prefix}idx"], [int(time.time() * 1000)])
+        self._evicted("ttl", int(gone))
+        return int(card)
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()

@@ -1,0 +1,77 @@
+"""Static configuration of one emulated engine (what ``kvdiag sim prefill|decode`` flags set)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+ROLES: Final = ("prefill", "decode")
+MODES: Final = ("stock", "instrumented")
+LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1")
+
+
+class ConfigError(ValueError):
+    """An engine option out of range; the message names the option and the fix."""
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine. Defaults follow the article's deployment (bidirectional on, 64, 480 s)."""
+
+    role: str = "prefill"
+    host: str = "127.0.0.1"
+    port: int = 0
+    side_channel_port: int = 0
+    model: str = "Qwen/Qwen3-32B"
+    engine_id: str | None = None
+    block_size: int = 16
+    num_blocks: int = 16384
+    bidirectional_kv_xfer: bool = True
+    kv_recompute_threshold: int | None = None  # None: vLLM's default, 64 if bidirectional else 0
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_lease_duration: float = 30.0
+    prefix_caching: bool = True
+    kv_load_failure_policy: str = "fail"
+    hang_on_recompute: bool = False
+    stream_kv_params: bool = True
+    fail_transfers: dict[str, float] = field(default_factory=dict)
+    fail_requests: float = 0.0
+    profile: str = "qwen3-32b"
+    time_scale: float = 1.0
+    mode: str = "stock"
+    log_file: str | None = None
+    log_level: str = "INFO"
+    enable_log_requests: bool = False
+    events_file: str | None = None
+    seed: int = 0
+    default_max_tokens: int = 16
+    # vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN (5.0 s); only tests shrink it, to keep TTL tests fast.
+    expiry_safety_margin_s: float = 5.0
+    log_stats_interval_s: float = 10.0  # VLLM_LOG_STATS_INTERVAL
+    verify_prefix_digest: bool = False
+    # Side-channel peers the engine may connect to (kv_transfer_params come from clients: never trusted).
+    allowed_remote_hosts: tuple[str, ...] = LOOPBACK_HOSTS
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role {self.role!r}: use prefill or decode")
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode {self.mode!r}: use stock or instrumented")
+        if self.block_size < 1 or self.num_blocks < 2:
+            raise ConfigError("--block-size must be >= 1 and --num-blocks >= 2")
+        if self.time_scale < 0:
+            raise ConfigError("--time-scale must be >= 0 (0 disables the modelled sleeps)")
+        if self.decoder_kv_blocks_ttl <= 0 or self.kv_lease_duration <= 0:
+            raise ConfigError("--decoder-kv-blocks-ttl and --kv-lease-duration must be > 0 seconds")
+        if self.kv_recompute_threshold is None:
+            self.kv_recompute_threshold = 64 if self.bidirectional_kv_xfer else 0
+
+    @property
+    def instrumented(self) -> bool:
+        """True in instrumented mode (events and the kvdiag report)."""
+        return self.mode == "instrumented"
+
+    @property
+    def threshold(self) -> int:
+        """The configured kv_recompute_threshold (resolved)."""
+        return int(self.kv_recompute_threshold or 0)

@@ -1,0 +1,136 @@
+"""The connector's pure parts: Contract 4's outcome rule, the block-hash digest, the error guard."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from kvdiag.instrumentation.guard import Guard
+from kvdiag.instrumentation.report import (
+    DECLINED_EXPIRED,
+    MAX_CHECKPOINTS,
+    DigestError,
+    PrefillView,
+    first_mismatch,
+    make_digest,
+)
+from kvdiag.schema.events import PrefillReport
+
+
+def view(**kw: object) -> PrefillView:
+    base: dict[str, object] = dict(engine_request_id="cmpl-a-0", prompt_tokens=170, block_size=32, has_handle=True,
+                                   remote_offered_tokens=139, engine_id="P", remote_engine_id="D",
+                                   remote_request_id="cmpl-d-0")
+    base.update(kw)
+    return PrefillView(**base)  # type: ignore[arg-type]
+
+
+def outcome(v: PrefillView, *, bidirectional: bool = True, threshold: int = 64) -> str:
+    return v.outcome(bidirectional=bidirectional, threshold=threshold)[0].value
+
+
+def test_remote_hit_report_round_trips_through_the_schema() -> None:
+    v = view()
+    v.read_started(139)
+    v.read_done(983_040, 4.2)
+    report = v.report(bidirectional=True, threshold=64)
+    assert report.outcome == "remote_hit" and report.computed_tokens == 31 and report.transfer_bytes == 983_040
+    assert PrefillReport.from_dict(report.to_dict()) == report
+
+
+@pytest.mark.parametrize(("kw", "expected"), [
+    ({"has_handle": False}, "unknown"),
+    ({"has_handle": False, "request_failed": True}, "request_failed"),
+    ({"mismatch_block": 2}, "prefix_mismatch"),
+    ({"local_hit_tokens": 128}, "local_hit"),              # 139 - 128 = 11 < one block
+    ({"local_hit_tokens": 96}, "below_threshold"),          # 43: a block or more, below 64
+    ({"failure_type": DECLINED_EXPIRED}, "expired_remote_read"),
+    ({"failure_type": "handshake_failed"}, "transfer_failed"),
+    ({"request_failed": True}, "request_failed"),
+    ({}, "unknown"),                                       # a read started but never completed
+])
+def test_outcome_rule_in_contract_order(kw: dict[str, object], expected: str) -> None:
+    assert outcome(view(**kw)) == expected
+
+
+def test_feature_off_on_p_wins_over_everything_else() -> None:
+    v = view(mismatch_block=0, failure_type="transfer_failed")
+    assert outcome(v, bidirectional=False) == "feature_disabled_on_prefill"
+
+
+def test_threshold_zero_never_skips() -> None:
+    assert outcome(view(local_hit_tokens=96), threshold=0) == "unknown"
+
+
+def test_failed_read_reports_no_read_tokens() -> None:
+    v = view()
+    v.read_started(139)
+    v.read_failed("transfer_failed")
+    report = v.report(bidirectional=True, threshold=64)
+    assert (report.outcome, report.remote_read_tokens, report.computed_tokens) == ("transfer_failed", 0, 170)
+    assert report.failure_type == "transfer_failed"
+
+
+def hashes(tokens: list[int], block: int = 32) -> list[bytes]:
+    """Chained block hashes, as vLLM's hasher chains the parent hash into each block."""
+    out, parent = [], b""
+    for i in range(0, len(tokens) - len(tokens) % block, block):
+        parent = hashlib.sha256(parent + repr(tokens[i:i + block]).encode()).digest()
+        out.append(parent)
+    return out
+
+
+def test_digest_finds_the_first_diverging_block() -> None:
+    history = list(range(139))
+    digest = make_digest(hashes(history), 32)
+    assert digest["blocks"] == 4 and digest["stride"] == 1
+    assert first_mismatch(digest, hashes(history + [7] * 31), 32) == (None, 4)
+    edited = list(history)
+    edited[70] = -1
+    assert first_mismatch(digest, hashes(edited + [7] * 31), 32) == (2, 2)
+
+
+def test_digest_stays_bounded_for_long_sequences() -> None:
+    tokens = list(range(32 * 1000))
+    digest = make_digest(hashes(tokens), 32)
+    assert len(digest["h"]) <= MAX_CHECKPOINTS and digest["stride"] == 4
+    edited = list(tokens)
+    edited[32 * 501] = -1                       # block 501 differs: the checkpoint at block 503 catches it
+    mismatch, matched = first_mismatch(digest, hashes(edited), 32)
+    assert mismatch == matched == 500
+
+
+@pytest.mark.parametrize("bad", [
+    None, [], {"block_size": 32, "stride": 1, "blocks": 1, "h": ["zz"]},
+    {"block_size": 32, "stride": 0, "blocks": 1, "h": ["00000000"]},
+    {"block_size": 32, "stride": 1, "blocks": 3, "h": ["00000000"]},
+    {"block_size": 16, "stride": 1, "blocks": 1, "h": ["00000000"]},
+    {"block_size": True, "stride": 1, "blocks": 1, "h": ["00000000"]},
+    {"block_size": 32, "stride": 1, "blocks": 999, "h": ["00000000"] * 999},
+])
+def test_a_malformed_client_digest_is_rejected(bad: object) -> None:
+    with pytest.raises(DigestError):
+        first_mismatch(bad, hashes(list(range(64))), 32)
+
+
+def test_guard_swallows_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    guard = Guard("test")
+    with caplog.at_level(logging.WARNING, logger="kvdiag.instrumentation"):
+        for _ in range(3):
+            with guard:
+                raise KeyError("boom")
+    assert guard.errors == 3 and guard.take_unreported() == 3 and guard.take_unreported() == 0
+    assert len([r for r in caplog.records if "kvdiag instrumentation error in test" in r.getMessage()]) == 1
+    with pytest.raises(KeyboardInterrupt), guard:
+        raise KeyboardInterrupt
+
+
+def test_instrumentation_package_and_report_do_not_import_vllm() -> None:
+    code = ("import sys, kvdiag.instrumentation, kvdiag.instrumentation.report, kvdiag.instrumentation.guard; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'nixl')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,123 @@
+"""explain over stock-format logs (fixtures built from real lines) and the CLI contract."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvdiag.cli.main import cli
+from kvdiag.diagnostics.explain import (
+    ConversationNotFoundError,
+    UnreadableLogError,
+    explain_conversation,
+    load_turns,
+)
+from kvdiag.schema.verdicts import Confidence, Verdict
+
+STOCK = Path(__file__).parent / "fixtures" / "logs" / "stock_run"
+
+
+def _verdicts(conv_id: str, paths: list[str] | None = None) -> list[tuple[int, str, str]]:
+    conv = explain_conversation(paths or [str(STOCK)], conv_id)
+    return [(t.turn, t.verdict.value, t.confidence.value) for t in conv.turns]
+
+
+def test_expired_remote_read_confirmed_by_p_decline() -> None:
+    conv = explain_conversation([str(STOCK)], "CONV_ID_1")
+    t1, t2 = conv.turns
+    assert (t1.verdict, t1.confidence) == (Verdict.FIRST_TURN, Confidence.CONFIRMED)
+    assert t1.ttft_ms == 160.5 and t1.prompt_tokens == 100
+    assert (t2.verdict, t2.confidence) == (Verdict.EXPIRED_REMOTE_READ, Confidence.CONFIRMED)
+    assert t2.request_id == "84a2d3ebd7e34a2da27da6524603c95c"
+    assert "the turn failed" in t2.reason
+    sources = [e.source for e in t2.evidence]
+    assert sources[0].endswith("proxy.log:10") and any(s.endswith("prefill.log:4") for s in sources)
+    assert any(s.endswith("decode.log:3") for s in sources)  # D released the handle the turn was given
+    assert t2.ttft_ms == 171.0
+
+
+def test_transfer_failed_names_failure_type() -> None:
+    conv = explain_conversation([str(STOCK)], "CONV_ID_2")
+    t2 = conv.turns[1]
+    assert (t2.verdict, t2.confidence, t2.failure_type) == (Verdict.TRANSFER_FAILED, Confidence.CONFIRMED,
+                                                            "handshake_failed")
+
+
+def test_router_entry_expired_from_stale_line() -> None:
+    assert _verdicts("CONV_ID_3") == [(1, "router_entry_expired", "confirmed")]
+
+
+def test_all_matches_single_conversation_path() -> None:
+    convs = {c.conversation_id: c for c in load_turns([str(STOCK)])}
+    assert set(convs) == {"CONV_ID_1", "CONV_ID_2", "CONV_ID_3"}
+    for conv_id, conv in convs.items():
+        single = explain_conversation([str(STOCK)], conv_id)
+        assert [t.to_json_dict() for t in single.turns] == [t.to_json_dict() for t in conv.turns]
+
+
+def test_hashed_conversation_ids_join(tmp_path: Path) -> None:
+    import hashlib
+    shutil.copytree(STOCK, tmp_path / "run")
+    proxy = tmp_path / "run" / "proxy.log"
+    tag = hashlib.sha256(b"CONV_ID_1").hexdigest()[:16]
+    proxy.write_text(proxy.read_text().replace("conv=CONV_ID_1:", f"conv={tag}:"))
+    assert _verdicts("CONV_ID_1", [str(tmp_path / "run")])[1][1] == "expired_remote_read"
+
+
+def test_not_found_lists_closest_ids() -> None:
+    with pytest.raises(ConversationNotFoundError) as info:
+        explain_conversation([str(STOCK)], "CONV_ID_7")
+    assert "CONV_ID_1" in info.value.closest
+
+
+def test_unreadable_file_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "prefill.log.gz"
+    bad.write_bytes(b"not gzip at all")
+    with pytest.raises(UnreadableLogError, match=r"prefill\.log\.gz"):
+        load_turns([str(bad)])
+
+
+def test_missing_sources_listed(tmp_path: Path) -> None:
+    shutil.copy(STOCK / "proxy.log", tmp_path / "proxy.log")
+    conv = explain_conversation([str(tmp_path)], "CONV_ID_1")
+    assert conv.missing_sources == ["client", "prefill", "decode"]
+    t2 = conv.turns[1]
+    assert t2.verdict is Verdict.UNKNOWN and "prefill log" in t2.reason
+
+
+def test_cli_json_shape_and_exit_codes(tmp_path: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(cli, ["explain", "--json", "--conversation-id", "CONV_ID_1", str(STOCK)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert set(doc) == {"conversation_id", "turns", "missing_sources"}
+    turn = doc["turns"][1]
+    for key in ("turn", "request_id", "verdict", "confidence", "reason", "evidence", "ttft_ms", "prompt_tokens",
+                "local_hit_tokens", "remote_tokens", "transfer_bytes", "transfer_ms"):
+        assert key in turn
+    assert turn["evidence"][0]["source"].endswith("proxy.log:10")
+    res = runner.invoke(cli, ["explain", "--conversation-id", "nope-id", str(STOCK)])
+    assert res.exit_code == 2 and "not found" in res.output
+    res = runner.invoke(cli, ["explain", "--all", str(tmp_path / "absent.log")])
+    assert res.exit_code == 1 and "absent.log" in res.output
+    res = runner.invoke(cli, ["explain", "--all", str(STOCK)])
+    assert res.exit_code == 0 and "expired_remote_read" in res.output and "verdict counts" in res.output
+
+
+def test_corrupt_lines_are_counted_skipped_and_reported(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(STOCK, run)
+    good = ('{"v":1,"ts":1.0,"source":"router","event":"router_turn","conversation_id":"CONV_ID_2","turn":2,'
+            '"request_id":"8265fbbe12ab4cd0a1b2c3d4e5f60718","outcome":"transfer_failed","failure_type":"handshake_failed"}')
+    (run / "router-events.jsonl").write_bytes(good.encode() + b'\n{"v":1, "ts": trunc\xff\n')
+    res = CliRunner().invoke(cli, ["explain", "--all", "--json", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "skipped 1 corrupt line(s)" in res.stderr and "router-events.jsonl:2" in res.stderr
+    doc = json.loads(res.stdout)
+    conv2 = next(c for c in doc["conversations"] if c["conversation_id"] == "CONV_ID_2")
+    assert conv2["turns"][1]["evidence"][0]["source"].endswith("router-events.jsonl:1")
+    assert doc["verdict_counts"]["transfer_failed"] == 1

@@ -1,0 +1,207 @@
+"""Router building blocks without sockets: SSE capture, security helpers, config, lookup verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvdiag.router.config import ConfigError, RouterConfig, Upstream
+from kvdiag.router.security import (
+    ANONYMOUS_TENANT,
+    check_prefix,
+    earlier_turns,
+    hash_conversation_id,
+    store_key,
+    tenant_of,
+)
+from kvdiag.router.sse import SSECapture
+from kvdiag.router.store import Claim, Handle, LastTurn
+from kvdiag.router.turns import decide_lookup, prefill_verdict
+from kvdiag.schema.events import PrefillReport
+from kvdiag.schema.verdicts import Verdict
+
+PARAMS = {"remote_block_ids": [[1, 2]], "remote_engine_id": "d", "remote_num_tokens": 33,
+          "remote_blocks_expiry_time": 99.5}
+
+
+def _stream(params: object = PARAMS, key: bool = True) -> bytes:
+    frames = [{"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"delta": {"content": 'he said "error" twice'}, "finish_reason": None}]}]
+    final: dict[str, object] = {"choices": [{"delta": {"content": ""}, "finish_reason": "length"}]}
+    if key:
+        final["kv_transfer_params"] = params
+    frames.append(final)
+    return b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
+
+
+@given(st.lists(st.integers(min_value=1, max_value=400), min_size=1, max_size=30))
+def test_capture_finds_params_however_the_stream_is_split(cuts: list[int]) -> None:
+    data = _stream()
+    capture = SSECapture()
+    pos = 0
+    for size in cuts:
+        capture.feed(data[pos:pos + size])
+        pos += size
+    capture.feed(data[pos:])
+    capture.close()
+    assert capture.params == PARAMS and capture.done and capture.finish_reason == "length"
+    assert capture.error is None and capture.malformed is None
+
+
+def test_capture_parses_only_frames_with_markers() -> None:
+    capture = SSECapture()
+    capture.feed(_stream())
+    assert capture.frames_parsed == 1  # the role chunk and the content chunk are never parsed
+
+
+def test_capture_tells_missing_key_from_null_params() -> None:
+    absent, null = SSECapture(), SSECapture()
+    absent.feed(_stream(key=False))
+    null.feed(_stream(params=None))
+    assert absent.params is None and not absent.params_present and absent.done
+    assert null.params is None and null.params_present
+
+
+def test_capture_records_error_events_and_malformed_frames() -> None:
+    err = SSECapture()
+    err.feed(b'data: {"error": {"message": "x", "code": 500}}\n\ndata: [DONE]\n\n')
+    assert err.error == {"message": "x", "code": 500}
+    bad = SSECapture()
+    bad.feed(b'data: {"kv_transfer_params": {oops\n\n')
+    assert bad.malformed is not None and bad.params is None
+
+
+def test_capture_handles_crlf_and_a_final_frame_without_blank_line() -> None:
+    capture = SSECapture()
+    capture.feed(b'data: {"kv_transfer_params": {"a": 1}}\r\n\r\ndata: [DONE]')
+    capture.close()
+    assert capture.params == {"a": 1} and capture.done
+
+
+def test_capture_bounds_an_endless_frame() -> None:
+    capture = SSECapture(max_frame_bytes=1000)
+    for _ in range(10):
+        capture.feed(b"x" * 500)
+    assert capture.malformed is not None and "exceeded" in capture.malformed
+    capture.feed(b'\n\ndata: {"kv_transfer_params": {"a": 1}}\n\n')
+    assert capture.params is None  # scanning stopped: nothing from a broken stream is trusted
+
+
+def test_tenant_hash_depends_on_the_token_only() -> None:
+    assert tenant_of(None) == ANONYMOUS_TENANT == tenant_of("Bearer ")
+    assert tenant_of("Bearer abc") == tenant_of("bearer   abc") != tenant_of("Bearer abd")
+    assert "abc" not in tenant_of("Bearer abc")
+
+
+def test_store_key_separates_tenants_and_hides_ids() -> None:
+    assert store_key("t-1", "conv") != store_key("t-2", "conv")
+    assert store_key("t-1", "a\x00b") != store_key("t-1\x00a", "b")
+    assert "conv" not in store_key("t-1", "conv") and len(store_key("t", "x" * 5000)) == 32
+
+
+def test_hashed_ids_are_stable_sha256_prefixes() -> None:
+    import hashlib
+
+    assert hash_conversation_id("CONV_ID_7") == hashlib.sha256(b"CONV_ID_7").hexdigest()[:16]
+
+
+def _msgs(*contents: str) -> list[dict[str, str]]:
+    roles = ["user", "assistant"]
+    return [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+
+
+def test_prefix_check_accepts_extensions_and_regenerations() -> None:
+    turn1 = check_prefix({"messages": _msgs("hi")}, None).prefix
+    assert check_prefix({"messages": _msgs("hi", "hello", "more")}, turn1).extends
+    assert check_prefix({"messages": _msgs("hi")}, turn1).extends  # a regenerate: same prompt
+
+
+def test_prefix_check_rejects_edited_or_stripped_history() -> None:
+    turn2 = check_prefix({"messages": _msgs("hi", "<think>x</think>hello", "more")}, None).prefix
+    assert not check_prefix({"messages": _msgs("hi", "hello", "more", "r", "next")}, turn2).extends
+    assert not check_prefix({"messages": _msgs("hi")}, turn2).extends  # shorter than the prefix
+    tools = [{"role": "user", "content": [{"type": "text", "text": "a"}]}]
+    t = check_prefix({"messages": tools}, None).prefix
+    assert check_prefix({"messages": [*tools, {"role": "assistant", "content": "b"}]}, t).extends
+
+
+def test_prefix_check_for_completions_prompts() -> None:
+    p = check_prefix({"prompt": "The cat sat"}, None).prefix
+    assert check_prefix({"prompt": "The cat sat on the mat"}, p).extends
+    assert not check_prefix({"prompt": "A cat sat on the mat"}, p).extends
+    assert not check_prefix({"messages": _msgs("The cat sat")}, p).extends
+
+
+def test_earlier_turns_counts_assistant_messages() -> None:
+    assert earlier_turns({"messages": _msgs("a", "b", "c", "d", "e")}) == 2
+    assert earlier_turns({"prompt": "x"}) == 0
+
+
+def test_config_refuses_router_ttl_at_or_above_decoder_ttl() -> None:
+    ups = (Upstream("127.0.0.1", 8100),)
+    with pytest.raises(ConfigError, match=r"must be below decoder_kv_blocks_ttl \(480s\).*released blocks"):
+        RouterConfig(prefill=ups, decode=ups, entry_ttl=480).validate()
+    cfg = RouterConfig(prefill=ups, decode=ups).validate()
+    assert cfg.handle_ttl == 450
+    assert RouterConfig(prefill=ups, decode=ups, decoder_kv_blocks_ttl=10).handle_ttl == 5
+    with pytest.raises(ConfigError, match="--state"):
+        RouterConfig(prefill=ups, decode=ups, state="mysql://x").validate()
+    with pytest.raises(ConfigError, match="prefiller"):
+        RouterConfig(prefill=(), decode=ups).validate()
+
+
+# ---------------------------------------------------------------------------------------- lookup verdicts
+NOW = 1_000_000.0
+
+
+def _claim(handle: Handle | None = None, last: LastTurn | None = None, acquired: bool = True) -> Claim:
+    return Claim("tok" if acquired else None, handle, last)
+
+
+def _lookup(claim: Claim | None, earlier: int = 0, has_id: bool = True, extends: bool = True) -> Verdict | None:
+    stored = claim.handle.prefix if claim and claim.handle else None
+    body = {"messages": _msgs("hi")}
+    prefix = check_prefix(body, stored)
+    if stored is not None and not extends:
+        prefix = check_prefix({"messages": _msgs("other")}, stored)
+    return decide_lookup(has_id=has_id, claim=claim, prefix=prefix, earlier_turns=earlier, now=NOW,
+                         entry_ttl=450).verdict
+
+
+def test_lookup_decides_every_router_verdict() -> None:
+    prefix = check_prefix({"messages": _msgs("hi")}, None).prefix
+    handle = Handle({"remote_engine_id": "d"}, NOW - 10, 1, "r", prefix)
+    assert _lookup(_claim(handle)) is None  # a hit: P decides
+    assert _lookup(_claim(handle), extends=False) is Verdict.PREFIX_MISMATCH
+    assert _lookup(_claim()) is Verdict.FIRST_TURN
+    assert _lookup(None, has_id=False) is Verdict.FIRST_TURN
+    assert _lookup(None, earlier=2, has_id=False) is Verdict.NO_CONVERSATION_ID
+    assert _lookup(_claim(acquired=False)) is Verdict.CONCURRENT_TURN
+    assert _lookup(_claim(last=LastTurn(1, NOW - 500, True, "r"))) is Verdict.ROUTER_ENTRY_EXPIRED
+    assert _lookup(_claim(last=LastTurn(1, NOW - 5, True, "r"))) is Verdict.ROUTER_STATE_LOST
+    assert _lookup(_claim(last=LastTurn(1, NOW - 5, False, "r", "not_streamed"))) is Verdict.METADATA_NOT_RETURNED
+    assert _lookup(_claim(), earlier=3) is Verdict.ROUTER_STATE_LOST
+    assert _lookup(None, earlier=1) is Verdict.ROUTER_STATE_LOST  # store unavailable
+
+
+def test_lookup_numbers_turns_from_the_record() -> None:
+    lk = decide_lookup(has_id=True, claim=_claim(last=LastTurn(4, NOW - 5, False, "r", "aborted")), prefix=None,
+                       earlier_turns=1, now=NOW, entry_ttl=450)
+    assert lk.turn == 5 and lk.gap_s == 5 and "aborted" in (lk.reason or "")
+
+
+def test_prefill_verdict_from_report_or_inferred() -> None:
+    report = PrefillReport("id", 100, 0, 96, 80, 20, "remote_hit", transfer_bytes=10)
+    assert prefill_verdict(report=report, cached_tokens=None, failed=False, entry_age_s=1,
+                           decoder_ttl=480)[0] is Verdict.REMOTE_HIT
+    assert prefill_verdict(report=None, cached_tokens=64, failed=False, entry_age_s=1,
+                           decoder_ttl=480)[0] is Verdict.REMOTE_HIT
+    assert prefill_verdict(report=None, cached_tokens=0, failed=False, entry_age_s=1,
+                           decoder_ttl=480)[0] is Verdict.UNKNOWN
+    assert prefill_verdict(report=None, cached_tokens=None, failed=True, entry_age_s=476,
+                           decoder_ttl=480)[0] is Verdict.EXPIRED_REMOTE_READ
+    assert prefill_verdict(report=None, cached_tokens=None, failed=True, entry_age_s=10,
+                           decoder_ttl=480)[0] is Verdict.TRANSFER_FAILED
