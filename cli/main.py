@@ -1,4 +1,8 @@
-"""The ``kvdiag`` command group. Subcommands register themselves from their own modules."""
+"""The ``kvdiag`` command group.
+
+Commands live in ``kvdiag.cli.cmd_<module>`` and are imported only when invoked, so starting an
+engine or the router never pays for pandas or the dashboards SDK.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,42 @@ import click
 
 from kvdiag import __version__
 
+# command name -> module under kvdiag.cli that defines it (in its COMMANDS tuple)
+LAZY_COMMANDS: dict[str, str] = {
+    "sim": "cmd_sim",
+    "workload": "cmd_workload",
+    "router": "cmd_router",
+    "demo": "cmd_demo",
+    "explain": "cmd_explain",
+    "report": "cmd_report",
+    "advise": "cmd_report",
+    "dashboards": "cmd_dashboards",
+    "alerts": "cmd_alerts",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    """A click group that imports a subcommand's module on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None or cmd_name not in LAZY_COMMANDS:
+            return command
+        module = importlib.import_module(f"kvdiag.cli.{LAZY_COMMANDS[cmd_name]}")
+        for candidate in getattr(module, "COMMANDS", ()):
+            if candidate.name == cmd_name:
+                return candidate  # type: ignore[no-any-return]
+        return None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvdiag")
 def cli() -> None:
     """kvdiag: see, explain and tune KV reuse across turns in vLLM P/D serving."""
 
 
-def _register() -> None:
-    # Each command module is optional at import time so one broken extra never hides the rest.
-    for name in ("sim", "workload", "router", "demo", "explain", "report", "dashboards", "alerts"):
-        try:
-            module = importlib.import_module(f"kvdiag.cli.cmd_{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"kvdiag.cli.cmd_{name}":
-                continue
-            raise
-        for command in getattr(module, "COMMANDS", ()):
-            cli.add_command(command)
-
-
-_register()
+if __name__ == "__main__":
+    cli()
