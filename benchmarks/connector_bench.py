@@ -50,11 +50,14 @@ def run_once(connector: str, requests: int, work: Path) -> dict[str, float]:
     sched = eng.scheduler
     added = 0
     recv_next: set[str] = set()
+    recv_reported: set[str] = set()
     send_next: set[str] = set()
     held: list[str] = []
     step_times: list[float] = []
     finished = 0
-    while finished < requests:
+    for _ in range(requests * 100):   # bounded: a stuck workload fails loudly instead of spinning
+        if finished >= requests:
+            break
         while added < requests and len(sched.requests) < 64:
             i = added
             prompt = [(7 * i + k) % 50000 + 1 for k in range(PROMPT)]
@@ -74,7 +77,9 @@ def run_once(connector: str, requests: int, work: Path) -> dict[str, float]:
         outputs = sched.update_from_output(so, mro)
         step_times.append(time.perf_counter() - t0)
         # What the worker would report next step: reads done for waiting requests, blocks sent.
-        recv_next = {r.request_id for r in sched.waiting if r.status.name == "WAITING_FOR_REMOTE_KVS"}
+        recv_next = {rid for rid, r in sched.requests.items()
+                     if r.status.name == "WAITING_FOR_REMOTE_KVS" and rid not in recv_reported}
+        recv_reported |= recv_next
         send_next = set(held[: len(held) // 2 + 1]) if held else set()
         held = [r for r in held if r not in send_next]
         for eco in outputs.values():
@@ -83,6 +88,8 @@ def run_once(connector: str, requests: int, work: Path) -> dict[str, float]:
                     finished += 1
                     if out.kv_transfer_params is not None:
                         held.append(out.request_id)
+    else:
+        raise RuntimeError(f"{connector}: only {finished}/{requests} requests finished")
     eng.shutdown()
     return {"mean_step_s": statistics.fmean(step_times), "steps": float(len(step_times))}
 

@@ -142,6 +142,7 @@ def processes(tmp: Path, backend: str) -> Iterator[dict[str, Any]]:
         procs.append(router)
         info["router"] = json.loads(ready.read_text())
         info["router_pid"] = router.pid
+        info["events"] = tmp / "router-events.jsonl"
         yield info
     finally:
         for proc in reversed(procs):
@@ -338,6 +339,19 @@ async def bench(args: argparse.Namespace, info: dict[str, Any], backend: str) ->
     scale = 0.5 if args.quick else 1.0
     connector = aiohttp.TCPConnector(limit=2000, limit_per_host=1000)
     results = []
+    events: Path = info["events"]
+    seen = {"lines": 0}
+
+    async def report_async(summary: dict[str, Any]) -> None:
+        # The router's own view of the phase: router_overhead_ms of the turns it logged meanwhile.
+        await asyncio.sleep(0.3)  # events are flushed every 50 ms by a writer thread
+        lines = events.read_text().splitlines() if events.exists() else []
+        new, seen["lines"] = lines[seen["lines"]:], len(lines)
+        overhead = sorted(json.loads(line).get("router_overhead_ms", 0.0) for line in new)
+        if overhead:
+            summary["router_logged_overhead_p50_ms"] = overhead[len(overhead) // 2]
+            summary["router_logged_overhead_p99_ms"] = overhead[min(int(0.99 * len(overhead)), len(overhead) - 1)]
+        report(summary)
 
     def report(summary: dict[str, Any]) -> None:
         summary["backend"] = backend
@@ -352,10 +366,12 @@ async def bench(args: argparse.Namespace, info: dict[str, Any], backend: str) ->
             return router_turn(session, r_url, conv)
 
         await open_loop(Phase("warmup"), 50, 2 * scale, run_direct, run_routed, pid)
+        await asyncio.sleep(0.3)
+        seen["lines"] = len(events.read_text().splitlines()) if events.exists() else 0
         for rate in (50, 200):
             phase = Phase(f"open loop {rate} turns/s")
             await open_loop(phase, rate, 6 * scale, run_direct, run_routed, pid)
-            report(phase.summary())
+            await report_async(phase.summary())
         phase = Phase("100 concurrent streams")
         for _ in range(2):  # alternate, so both see the same conditions
             direct = Phase("direct slice")
@@ -365,14 +381,14 @@ async def bench(args: argparse.Namespace, info: dict[str, Any], backend: str) ->
             phase.errors += direct.errors + routed.errors
             phase.router_cpu_s += routed.router_cpu_s
             phase.wall_s += routed.wall_s
-        report(phase.summary())
+        await report_async(phase.summary())
         for kind, run in (("direct", run_direct), ("router", run_routed)):
             phase = Phase(f"saturation {kind} (64 clients)")
             sink = phase.direct if kind == "direct" else phase.routed
             await closed_loop(phase, 64, 4 * scale, run, sink, pid)
             summary = phase.summary()
             summary["turns_per_s"] = round(len(sink) / phase.wall_s, 1)
-            report(summary)
+            await report_async(summary)
     return results
 
 

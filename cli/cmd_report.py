@@ -15,7 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from kvdiag.diagnostics.advise import Advice, advise
-from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config
+from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
 from kvdiag.diagnostics.detect import LogReadError
 from kvdiag.diagnostics.explain import ExplainError
 from kvdiag.diagnostics.html_report import write_html_report
@@ -49,7 +49,7 @@ def _load(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progress: b
         with _progress(not no_progress and sys.stderr.isatty()) as update:
             df = load_turn_table(logs, cache_dir=None if no_cache else cache_dir, progress=update,
                                  events_only=events_only)
-        return df, scan_config(logs)
+        return df, scan_config_cached(logs, None if no_cache else cache_dir)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
     except (LogReadError, ExplainError) as exc:

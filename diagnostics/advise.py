@@ -131,7 +131,8 @@ def _transfer_fit(df: pd.DataFrame) -> tuple[float | None, float | None, dict[st
     if not _spread_ok(x):
         return None, None, info, [
             f"at least {MIN_FIT_POINTS} D->P reads of different sizes with transfer bytes and ms "
-            f"(found {len(x)}); these come from kvdiag events (router/prefill) or P's DEBUG logs"]
+            f"(found {len(x)}{', too alike in size' if len(x) >= MIN_FIT_POINTS else ''}); these come from "
+            "kvdiag events (router/prefill) or P's DEBUG logs"]
     (a, b), r2 = _fit_poly(x, y)
     info.update(r2=round(r2, 4), bytes_min=float(x.min()), bytes_max=float(x.max()))
     if b <= 0:
@@ -152,8 +153,9 @@ def _prefill_fit(df: pd.DataFrame) -> tuple[float | None, float, dict[str, Any],
     y = pts[basis].astype("float64").to_numpy()
     info: dict[str, Any] = {"n": len(x), "basis": f"{basis} of turns that read nothing from D, vs computed tokens"}
     if not _spread_ok(x):
+        alike = ", too alike in length" if len(x) >= MIN_FIT_POINTS else ""
         return None, 0.0, info, [f"at least {MIN_FIT_POINTS} recomputed turns of different lengths with "
-                                 f"computed tokens and prefill or TTFT times (found {len(x)})"]
+                                 f"computed tokens and prefill or TTFT times (found {len(x)}{alike})"]
     # Attention makes prefill grow faster than linearly; the quadratic keeps the small-n slope honest.
     (_, b, c), r2 = _fit_poly(x, y, 2)
     if c < 0:

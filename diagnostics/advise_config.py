@@ -9,14 +9,16 @@ kvdiag events give ``ttl_s`` and ``engine_start`` attrs.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from kvdiag.diagnostics.detect import detect, role_hint
+from kvdiag.diagnostics.detect import detect, expand_paths, role_hint
 from kvdiag.diagnostics.scan import grep_lines, grep_regex
+from kvdiag.exporters.parquet import cache_key
 
 Role = Literal["prefill", "decode", "router", "client", "unknown"]
 
@@ -26,6 +28,7 @@ STARTUP_RE: Final = re.compile(
 HOLD_RE: Final = re.compile(r"request_finished\(([^)]*)\) waiting for (\d+) seconds before releasing blocks")
 FAIL_POLICY_RE: Final = re.compile(r"due to KV load failure \(failure_policy=(\w+)")
 STALE_RE: Final = re.compile(r"stale cache entry \(age=[\d.]+s > ttl=([\d.]+)s\)")
+CONFIG_CACHE_VERSION: Final = 1
 _TTL_FIELD: Final = re.compile(rb'"ttl_s"')
 _MARKERS: Final = ("Bidirectional KV transfer is enabled", "before releasing blocks", "KV load failure",
                    "stale cache entry", "WAITING_FOR_REMOTE_KVS")
@@ -51,6 +54,16 @@ class DeploymentConfig:
     failure_policy: ConfigFact | None = None
     recompute_hang: ConfigFact | None = None
     files: dict[str, str] = field(default_factory=dict)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """JSON form (the cache stores it next to the turn table)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, obj: dict[str, Any]) -> DeploymentConfig:
+        """Inverse of :meth:`to_json_dict`."""
+        facts = {k: ConfigFact(**v) if isinstance(v, dict) else None for k, v in obj.items() if k != "files"}
+        return cls(**facts, files=dict(obj.get("files", {})))
 
 
 def guess_role(path: Path) -> Role:
@@ -154,4 +167,25 @@ def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
         elif f.fmt in ("vllm", "proxy", "unknown"):
             for lineno, line in _lines(path, _MARKERS):
                 _from_text(cfg, line, role, f"{path}:{lineno}")
+    return cfg
+
+
+def scan_config_cached(paths: Sequence[str | Path], cache_dir: Path | None) -> DeploymentConfig:
+    """:func:`scan_config` through a JSON cache keyed like the turn table's (path, size, mtime)."""
+    if cache_dir is None:
+        return scan_config(paths)
+    files = expand_paths([str(p) for p in paths])
+    target = cache_dir / f"config-{cache_key(files, CONFIG_CACHE_VERSION)}.json"
+    try:
+        return DeploymentConfig.from_json_dict(json.loads(target.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        pass  # a miss or a torn file: scan again
+    cfg = scan_config(files)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cfg.to_json_dict()), encoding="utf-8")
+        tmp.replace(target)
+    except OSError:
+        pass  # the cache is an optimisation; the scan result stands
     return cfg

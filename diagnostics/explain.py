@@ -12,8 +12,11 @@ conversation (or its hashed tag), then the lines naming its request ids; only th
 from __future__ import annotations
 
 import difflib
+import json
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from kvdiag.diagnostics.classify import Context, classify_turn
@@ -179,11 +182,21 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
     files = _detect(paths)
     tick = _Progress(sum(f.size for f in files), progress, 2)
     index = LogIndex()
-    conv_needles = [t.encode() for t in id_tags(conversation_id)]
+    tags = id_tags(conversation_id)
+    # JSON writers escape non-ASCII and quotes: look for that spelling too
+    json_tags = [t.encode() for t in dict.fromkeys(tags + [json.dumps(t)[1:-1] for t in tags])]
+
+    def first_lines(f: LogFile) -> Iterable[tuple[int, bytes]]:
+        # exact matches only ("conv=<id>:" / "<id>" in quotes): id c1 must not pull in c10..c19
+        if f.fmt != "proxy":
+            return grep_prefixed(f.path, b'"', json_tags, tick, suffix=b'"')
+        found = dict(grep_prefixed(f.path, b"conv=", [t.encode() for t in tags], tick, suffix=b":"))
+        found.update(grep_lines(f.path, [b"Ready: "]))  # restarts, for router_state_lost
+        return sorted(found.items())
+
     # Pass 1: the lines naming the conversation (client, router, proxy, events).
     first = [f for f in files if f.fmt in ("events", "client_stats", "proxy")]
-    _load(first, index, lambda f: grep_lines(
-        f.path, conv_needles + ([b"Ready: "] if f.fmt == "proxy" else []), tick))
+    _load(first, index, _parallel(first, first_lines))
     rids = _request_ids(index, conversation_id)
     if not rids and not any(c.conversation_id == conversation_id for c in index.client):
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
@@ -207,9 +220,10 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
             if (f.path, lineno) not in seen_lines:
                 yield lineno, line
 
-    second_files = [f for f in files if f.fmt in ("vllm", "proxy", "events")]
+    second_files = [f for f in files if f.fmt == "vllm" or (f.fmt in ("proxy", "events")
+                                                           and _needs_second_pass(f, index, rids))]
     if rid_needles:
-        _load(second_files, index, second_lines)
+        _load(second_files, index, _parallel(second_files, second_lines))
     index.proxy.sort(key=lambda p: (p.path, p.lineno))
     index.events.sort(key=lambda e: (e.path, e.lineno))
     convs = correlate(index, only=conversation_id)
@@ -221,6 +235,44 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
     if match is None:
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
     return classify(match, index)
+
+
+def _parallel(files: list[LogFile], lines_for: Callable[[LogFile], Iterable[tuple[int, bytes]]]
+              ) -> Callable[[LogFile], Iterator[tuple[int, bytes]]]:
+    """Run the per-file prefilters (grep subprocesses, mostly) side by side; parse in file order after.
+
+    Only the matching lines are held, so memory stays small; threads wait on the children's pipes.
+    """
+    def collect(f: LogFile) -> list[tuple[int, bytes]]:
+        return list(lines_for(f))
+
+    workers = max(1, min(len(files), os.cpu_count() or 1, 4))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {f.path: pool.submit(collect, f) for f in files}
+        try:
+            done = {path: fut.result() for path, fut in futures.items()}
+        except (LogReadError, OSError, EOFError) as exc:
+            raise UnreadableLogError(str(exc)) from None
+    return lambda f: iter(done.get(f.path, []))
+
+
+def _needs_second_pass(f: LogFile, index: LogIndex, rids: set[str]) -> bool:
+    """Skip re-reading a file whose lines for this conversation pass 1 already has.
+
+    Client events all carry the conversation; router events too, unless a turn went without a
+    conversation_id (then its router event is only reachable through the request id); the proxy's
+    request-only lines ("Prefill done") add nothing when router events cover every request.
+    """
+    sources = {e.event.source for e in index.events if e.path == f.path}
+    router_rids = {e.event.request_id for e in index.events if e.event.source == "router" and e.event.request_id}
+    covered = bool(router_rids) and rids <= router_rids
+    if f.fmt == "events":
+        if sources == {"client"}:
+            return False
+        if sources == {"router"}:
+            return not covered
+        return True
+    return not covered  # proxy
 
 
 def _head_lines(path: str, keywords: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:

@@ -45,7 +45,8 @@ margin-right:4px;vertical-align:-1px}
 #tip{position:fixed;pointer-events:none;background:#263238;color:#fff;padding:6px 8px;border-radius:4px;
 font-size:12px;max-width:520px;white-space:pre-wrap;display:none;z-index:10}
 .sev-error{color:#b71c1c;font-weight:600}.sev-warning{color:#e65100;font-weight:600}.sev-ok{color:#2e7d32}
-.sev-missing_data,.sev-info{color:#546e7a}.evidence td{text-align:left;vertical-align:top}
+.sev-missing_data,.sev-info{color:#546e7a}.evidence{table-layout:fixed;width:100%}
+.evidence td,.evidence th{text-align:left;vertical-align:top;overflow-wrap:anywhere}.evidence code{font-size:11px}
 """
 
 # The tooltip mirrors each mark's data-tip; guarded so a page without marks logs nothing.

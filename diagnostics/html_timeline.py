@@ -53,7 +53,10 @@ def _turn_svg(t: TurnRecord, x0: float) -> str:
     total = max(total, (t.prefill_ms or 0.0) * 1.15, (t.ttft_ms or 0.0) * 1.05, 1e-3)
     p_start = total * 0.01
     read_ms = t.transfer_ms if t.transfer_ms else (total * 0.05 if verdict in _READ_ATTEMPTED else 0.0)
-    p_end = p_start + (t.prefill_ms if t.prefill_ms else max(total * 0.2, read_ms + total * 0.1))
+    # The P leg includes the read; when the logs' clocks disagree (a sim's scaled sleeps against its
+    # modelled transfer time) the read still has to fit inside the leg.
+    p_leg = t.prefill_ms if t.prefill_ms else max(total * 0.2, read_ms + total * 0.1)
+    p_end = p_start + max(p_leg, read_ms * 1.25)
     ttft = t.ttft_ms if t.ttft_ms is not None else min(p_end + total * 0.05, total)
     # Piecewise time axis: up to the first token gets 60 % of the segment, the decode tail the rest,
     # so the prefill leg and the transfers stay legible next to a long reply.
@@ -160,7 +163,9 @@ def _evidence_table(conv: ConversationRecord) -> str:
                     f'<td style="color:{svg.color(t.verdict)}">{svg.esc(t.verdict)}</td>'
                     f'<td>{svg.esc(t.confidence)}</td>'
                     f'<td style="text-align:left">{svg.esc(t.reason)}</td><td style="text-align:left">{ev}</td></tr>')
-    return ('<table class="evidence"><thead><tr><th>turn</th><th>verdict</th><th>confidence</th><th>reason</th>'
+    return ('<table class="evidence"><colgroup><col style="width:4em"><col style="width:13em"><col style="width:7em">'
+            '<col style="width:22%"><col></colgroup>'
+            '<thead><tr><th>turn</th><th>verdict</th><th>confidence</th><th>reason</th>'
             f"<th>evidence</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 

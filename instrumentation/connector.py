@@ -42,7 +42,7 @@ from kvdiag.instrumentation.guard import Guard
 from kvdiag.instrumentation.report import DIGEST_KEY, DigestError, PrefillView, first_mismatch, make_digest
 from kvdiag.instrumentation.stats import KVDiagNixlStats, KVDiagPromMetrics
 from kvdiag.instrumentation.worker import ObservedPullWorker
-from kvdiag.schema.events import REPORT_KEY, TurnEvent, now_ts
+from kvdiag.schema.events import REPORT_FIELDS, REPORT_KEY, TurnEvent, now_ts
 
 _logger = logging.getLogger(__name__)
 
@@ -167,8 +167,8 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
                  "connector": type(self).__name__}
         # kv_both serves either role (each request's events carry its own); kvdiag_role names this engine's.
         role = self.kvdiag_config.role or ("decode" if kv.kv_role == "kv_consumer" else "prefill")
-        self._write(TurnEvent(ts=now_ts(), source=role, event="engine_start", engine_id=self.engine_id,
-                              model=self._model, attrs=attrs))
+        self._emit(source=role, event="engine_start", engine_id=self.engine_id,
+                   model=self._model, attrs=attrs)
 
     # --- vLLM's connector hooks (scheduler side) ------------------------------------------------
 
@@ -401,11 +401,11 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         self._remember(self._retained, request.request_id,
                        _Retained(time.monotonic(), blocks, ttl))
         self._kvdiag_stats.data["kvdiag_retained"].append(len(self._retained))
-        self._write(TurnEvent(ts=now_ts(), source="decode", event="kv_retained", engine_id=self.engine_id,
-                              engine_request_id=request.request_id, request_id=header_request_id(request.request_id),
-                              model=self._model, retained_blocks=blocks, ttl_s=ttl,
-                              expiry_ts=round(time.time() + ttl, 3),
-                              attrs={"remote_num_tokens": params.get("remote_num_tokens")}))
+        self._emit(source="decode", event="kv_retained", engine_id=self.engine_id,
+                   engine_request_id=request.request_id, request_id=header_request_id(request.request_id),
+                   model=self._model, retained_blocks=blocks, ttl_s=ttl,
+                   expiry_ts=round(time.time() + ttl, 3),
+                   attrs={"remote_num_tokens": params.get("remote_num_tokens")})
 
     def _release(self, req_id: str, reason: str) -> None:
         held = self._retained.pop(req_id, None)
@@ -413,10 +413,10 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
             return
         self._kvdiag_stats.data["kvdiag_released"].append(reason)
         self._kvdiag_stats.data["kvdiag_retained"].append(len(self._retained))
-        self._write(TurnEvent(ts=now_ts(), source="decode", event="kv_released", engine_id=self.engine_id,
-                              engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
-                              retained_blocks=held.blocks, ttl_s=held.ttl_s, release_reason=reason,
-                              attrs={"held_s": round(time.monotonic() - held.since, 3)}))
+        self._emit(source="decode", event="kv_released", engine_id=self.engine_id,
+                   engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
+                   retained_blocks=held.blocks, ttl_s=held.ttl_s, release_reason=reason,
+                   attrs={"held_s": round(time.monotonic() - held.since, 3)})
 
     def _emit_final(self, req_id: str, tracked: _Tracked, params: dict[str, Any] | None) -> dict[str, Any] | None:
         duration_ms = round((time.monotonic() - tracked.arrival) * 1000.0, 3)
@@ -424,15 +424,16 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
             view = tracked.prefill
             report = view.report(bidirectional=self._bidirectional, threshold=int(self._sched.kv_recompute_threshold))
             if params is not None:
-                params[REPORT_KEY] = report.to_dict()
+                # PrefillReport.to_dict without dataclasses.asdict's deep copy (hot path, flat fields)
+                params[REPORT_KEY] = {k: v for k in REPORT_FIELDS if (v := getattr(report, k)) is not None}
             self._kvdiag_stats.data["kvdiag_requests"].append(["prefill", report.outcome])
             if report.remote_read_tokens:
                 self._kvdiag_stats.data["kvdiag_read_tokens"].append(report.remote_read_tokens)
             attrs = {**view.attrs, **tracked.attrs}
             if view.threshold_skipped:
                 attrs["threshold_skipped"] = True
-            self._write(TurnEvent(
-                ts=now_ts(), source="prefill", event="prefill_request", engine_id=self.engine_id,
+            self._emit(
+                source="prefill", event="prefill_request", engine_id=self.engine_id,
                 engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
                 prompt_tokens=report.prompt_tokens, completion_tokens=tracked.completion_tokens,
                 local_hit_tokens=report.local_hit_tokens, remote_offered_tokens=report.remote_offered_tokens,
@@ -440,12 +441,12 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
                 computed_tokens=report.computed_tokens, transfer_bytes=report.transfer_bytes,
                 transfer_ms=report.transfer_ms, duration_ms=duration_ms, remote_engine_id=report.remote_engine_id,
                 remote_request_id=report.remote_request_id, outcome=report.outcome, reason=report.reason,
-                failure_type=report.failure_type, status=tracked.status, attrs=attrs))
+                failure_type=report.failure_type, status=tracked.status, attrs=attrs)
         elif tracked.decode is not None:
             d = tracked.decode
             self._kvdiag_stats.data["kvdiag_requests"].append(["decode", "unknown"])
-            self._write(TurnEvent(
-                ts=now_ts(), source="decode", event="decode_request", engine_id=self.engine_id,
+            self._emit(
+                source="decode", event="decode_request", engine_id=self.engine_id,
                 engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
                 prompt_tokens=d.prompt_tokens, completion_tokens=tracked.completion_tokens,
                 local_hit_tokens=d.local_hit_tokens, remote_read_tokens=d.remote_read_tokens if d.read_ok else 0,
@@ -454,12 +455,13 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
                 transfer_bytes=d.transfer_bytes, transfer_ms=round(d.transfer_ms, 3), duration_ms=duration_ms,
                 remote_engine_id=d.remote_engine_id, remote_request_id=d.remote_request_id,
                 failure_type=d.failure_type, status=tracked.status,
-                attrs={**tracked.attrs, "returned_handle": bool(params)}))
+                attrs={**tracked.attrs, "returned_handle": bool(params)})
         return params
 
-    def _write(self, event: TurnEvent) -> None:
+    def _emit(self, **fields: Any) -> None:
+        # Events are built only when a file sink is configured: no cost on the step otherwise.
         if self._kvdiag_sink is not None:
-            self._kvdiag_sink.emit(event)
+            self._kvdiag_sink.emit(TurnEvent(ts=now_ts(), **fields))
 
     def _count_sink_error(self) -> None:
         # Runs on the sink's thread: only bump counters; get_kv_connector_stats reports them.

@@ -22,13 +22,28 @@ import json
 from typing import Any, Final
 
 PARAMS_KEY: Final = "kv_transfer_params"
-
-
-def _worth_parsing(data: bytes) -> bool:
-    # Substring checks in C, cheapest first; a frame without any of these is passed through unparsed.
-    return (b"[DONE]" in data or b'"finish_reason":"' in data or b'"kv_transfer_params"' in data
-            or b'"error"' in data or b'"usage":{' in data or b'"finish_reason": "' in data or b'"usage": {' in data)
 DEFAULT_MAX_FRAME_BYTES: Final = 4 << 20
+_MARKERS: Final = (b"[DONE]", b'"finish_reason":"', b'"kv_transfer_params"', b'"error"', b'"usage":{',
+                   b'"finish_reason": "', b'"usage": {')
+
+
+def _marked_frames(block: bytes) -> list[bytes]:
+    """The frames of ``block`` (complete frames, LF-separated) that contain a marker, in stream order.
+
+    One C-level ``find`` per marker over the whole read, not one check per frame: a read that carries
+    many token frames costs the same as a read that carries one.
+    """
+    spans: set[tuple[int, int]] = set()
+    for marker in _MARKERS:
+        pos = block.find(marker)
+        while pos >= 0:
+            start = block.rfind(b"\n\n", 0, pos)
+            start = start + 2 if start >= 0 else 0
+            end = block.find(b"\n\n", pos)
+            end = end if end >= 0 else len(block)
+            spans.add((start, end))
+            pos = block.find(marker, end)
+    return [block[start:end] for start, end in sorted(spans)]
 
 
 class SSECapture:
@@ -64,10 +79,10 @@ class SSECapture:
         if len(self._tail) > self._max_frame:
             self._overflow()
             return
-        if _worth_parsing(complete):
-            for frame in complete.replace(b"\r\n", b"\n").split(b"\n\n"):
-                if frame and _worth_parsing(frame):
-                    self._parse(frame)
+        if b"\r" in complete:
+            complete = complete.replace(b"\r\n", b"\n")
+        for frame in _marked_frames(complete):
+            self._parse(frame)
 
     def _keep(self, data: bytes) -> None:
         if len(data) > self._max_frame:
@@ -84,8 +99,8 @@ class SSECapture:
         """End of stream: a final frame without the blank line still counts."""
         if self._scanning and self._tail.strip():
             frame, self._tail = self._tail, b""
-            if _worth_parsing(frame):
-                self._parse(frame.replace(b"\r\n", b"\n"))
+            for marked in _marked_frames(frame.replace(b"\r\n", b"\n")):
+                self._parse(marked)
         self._scanning = False
 
     def _parse(self, frame: bytes) -> None:

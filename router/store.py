@@ -16,6 +16,7 @@ router replicas share and which survives a router restart.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -151,6 +152,8 @@ class MemoryStore:
         self._handles: OrderedDict[str, Handle] = OrderedDict()
         self._last: OrderedDict[str, LastTurn] = OrderedDict()
         self._locks: dict[str, tuple[str, float]] = {}
+        # Claim tokens only need to be unique within this process (uuid4 would double a claim's cost).
+        self._tokens = itertools.count(1)
 
     def _evicted(self, reason: str, n: int) -> None:
         if n and self._on_evict is not None:
@@ -169,7 +172,7 @@ class MemoryStore:
         held = self._locks.get(key)
         if held is not None and held[1] > now:
             return Claim(None, None, last)
-        token = _new_token()
+        token = f"m{next(self._tokens)}"
         self._locks[key] = (token, now + self.lock_ttl)
         handle = self._handles.pop(key, None)
         if handle is not None and self._expired(handle, now):

@@ -208,6 +208,7 @@ class Engine:
     def new_request(self, request_id: str | None, kind: str, prompt: list[int], max_tokens: int,
                     params: dict[str, Any] | None, seed: int = 0, arrival: float | None = None) -> RequestState:
         """Assign vLLM's ids: external ``chatcmpl-<X-Request-Id>``, internal ``<external>-<8 hex>``."""
+        request_id = request_id[:256] if request_id else None  # client-supplied: bound what reaches logs
         base = request_id or uuid.uuid4().hex
         external = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
         internal = f"{external}-{uuid.uuid4().hex[:8]}"

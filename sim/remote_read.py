@@ -175,7 +175,7 @@ async def pull(engine: Engine, state: RequestState, params: dict[str, Any], *, d
     except NixlFailure as exc:
         log_failure(engine, state, params, exc.failure_type, n_local, exc.exc_line)
         engine.count_failed_transfer()
-        return _failed(res, d2p, exc.failure_type, f"{exc.failure_type}: {exc}")
+        return _failed(res, exc.failure_type, f"{exc.failure_type}: {exc}")
     if not await _check_expiry(engine, state, params, agent, res):
         return res
     if log.enabled("DEBUG"):
@@ -186,9 +186,9 @@ async def pull(engine: Engine, state: RequestState, params: dict[str, Any], *, d
                  else {"xfer_state": "ERR"})
         log_failure(engine, state, params, injected, n_local, **extra)
         engine.count_failed_transfer()
-        return _failed(res, d2p, injected, f"{injected}: injected by --fail-transfers")
+        return _failed(res, injected, f"{injected}: injected by --fail-transfers")
     res.transfer_ms = engine.profile.transfer_ms(want)
-    res.transfer_bytes = len(read_ids) * bs * engine.profile.kv_bytes_per_token
+    res.transfer_bytes = engine.profile.transfer_bytes(want)  # the issue: bytes = tokens x KV bytes per token
     t0 = time.perf_counter()
     await engine.advance(state, res.transfer_ms)
     notify = injected != "notification_failed"
@@ -197,7 +197,7 @@ async def pull(engine: Engine, state: RequestState, params: dict[str, Any], *, d
     except NixlFailure as exc:
         log_failure(engine, state, params, exc.failure_type, n_local, xfer_state="ERR")
         engine.count_failed_transfer()
-        return _failed(res, d2p, exc.failure_type, f"{exc.failure_type}: {exc}")
+        return _failed(res, exc.failure_type, f"{exc.failure_type}: {exc}")
     if not notify:
         log_failure(engine, state, params, "notification_failed", n_local, dst_engine_id=agent.engine_id,
                     remote_rank=0, remote_agent_name=agent.engine_id)
@@ -232,12 +232,12 @@ async def _check_expiry(engine: Engine, state: RequestState, params: dict[str, A
     engine.log.log("WARNING", "declining", vl.MSG_DECLINING, state.internal_id, agent.engine_id)
     engine.count_expired()
     engine.count_failed_transfer()
-    _failed(res, True, DECLINED_EXPIRED, "read declined: D's blocks expire within the safety margin "
+    _failed(res, DECLINED_EXPIRED, "read declined: D's blocks expire within the safety margin "
             f"({engine.config.expiry_safety_margin_s:g} s)")
     return False
 
 
-def _failed(res: ReadResult, d2p: bool, ftype: str, reason: str) -> ReadResult:
+def _failed(res: ReadResult, ftype: str, reason: str) -> ReadResult:
     res.failed = True
     res.failure_type = ftype
     res.reason = reason

@@ -155,3 +155,20 @@ def test_cli_advise_text_output(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "No TTL recommendation" in res.output and "--decoder-ttl" in res.output
     assert "kv_recompute_threshold" in res.output
+
+
+def test_config_cache_hits_and_misses_on_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvdiag.diagnostics import advise_config
+
+    log = _write(tmp_path / "decode.log", STARTUP.format(ttl=300))
+    cache = tmp_path / "cache"
+    first = advise_config.scan_config_cached([str(log)], cache)
+    assert first.decoder_ttl is not None and first.decoder_ttl.value == 300.0
+    calls: list[object] = []
+    real = advise_config.scan_config
+    monkeypatch.setattr(advise_config, "scan_config", lambda paths: calls.append(paths) or real(paths))
+    again = advise_config.scan_config_cached([str(log)], cache)
+    assert again == first and calls == []  # from the cache
+    _write(log, STARTUP.format(ttl=900) + "\n")
+    changed = advise_config.scan_config_cached([str(log)], cache)
+    assert changed.decoder_ttl is not None and changed.decoder_ttl.value == 900.0 and len(calls) == 1

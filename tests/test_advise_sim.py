@@ -8,16 +8,16 @@ profile's transfer overhead and bandwidth within 10 %, from the run's logs alone
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from kvdiag.demo.processes import Component, kvdiag_command
+from kvdiag.demo.processes import Component
 from kvdiag.diagnostics.advise import advise
 from kvdiag.diagnostics.advise_config import scan_config
 from kvdiag.diagnostics.report import load_turn_table
 from kvdiag.sim.timemodel import get_profile
+from kvdiag.sim.workload import run_workload
 from kvdiag.sim.workload_plan import WorkloadConfig, make_plans
 
 DECODE_TTL = 6.0  # vLLM declines reads within 5 s of expiry, so the smallest TTL that works at all
@@ -33,14 +33,7 @@ def _engine(role: str, out: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_advise_on_a_sim_run_with_known_parameters(tmp_path: Path) -> None:
-    config = WorkloadConfig(url="http://placeholder", conversations=30, turns=4, concurrency=30, gap_dist="fixed",
-                            gap_mean=0.1, long_gap_share=0.2, long_gap=LONG_GAP, new_tokens=300, max_tokens=64,
-                            seed=SEED)
-    plans = make_plans(config)
-    long_gaps = sum(t.long_gap for p in plans for t in p.turns)
-    later = sum(len(p.turns) - 1 for p in plans)
-    expected_share = long_gaps / later
+async def test_advise_on_a_sim_run_with_known_parameters(tmp_path: Path) -> None:
     components: list[Component] = []
     try:
         prefill = Component.launch("prefill", _engine("prefill", tmp_path), tmp_path)
@@ -56,15 +49,18 @@ def test_advise_on_a_sim_run_with_known_parameters(tmp_path: Path) -> None:
             "--events-file", str(tmp_path / "router-events.jsonl"), "--proxy-log", str(tmp_path / "proxy.log")],
             tmp_path)
         components.append(router)
-        subprocess.run(kvdiag_command([
-            "workload", "--url", router.url, "--model", "Qwen/Qwen3-32B", "--conversations", "30", "--turns", "4",
-            "--concurrency", "30",
-            "--gap-dist", "fixed", "--gap-mean", "0.1", "--long-gap-share", "0.2", "--long-gap", f"{LONG_GAP:g}",
-            "--new-tokens", "300", "--max-tokens", "64", "--seed", str(SEED),
-            "--output", str(tmp_path / "client.jsonl")]), check=True, timeout=180, capture_output=True)
+        config = WorkloadConfig(url=router.url, model="Qwen/Qwen3-32B", conversations=30, turns=4, concurrency=30,
+                                gap_dist="fixed", gap_mean=0.1, long_gap_share=0.2, long_gap=LONG_GAP,
+                                new_tokens=300, max_tokens=64, seed=SEED)
+        plans = make_plans(config)
+        result = await run_workload(config, plans, client_log=tmp_path / "client.jsonl")
     finally:
         for comp in reversed(components):
             comp.stop()
+    assert len(result.records) == 120
+    long_gaps = sum(t.long_gap for p in plans for t in p.turns)
+    later = sum(len(p.turns) - 1 for p in plans)
+    expected_share = long_gaps / later
     assert expected_share == pytest.approx(0.2)
     logs = [str(tmp_path)]
     adv = advise(load_turn_table(logs), config=scan_config(logs))

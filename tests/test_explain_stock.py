@@ -121,3 +121,17 @@ def test_corrupt_lines_are_counted_skipped_and_reported(tmp_path: Path) -> None:
     conv2 = next(c for c in doc["conversations"] if c["conversation_id"] == "CONV_ID_2")
     assert conv2["turns"][1]["evidence"][0]["source"].endswith("router-events.jsonl:1")
     assert doc["verdict_counts"]["transfer_failed"] == 1
+
+
+@pytest.mark.parametrize("conv_id", ["café ☕ 1", "c1"])
+def test_prefilter_finds_escaped_ids_and_only_exact_ones(tmp_path: Path, conv_id: str) -> None:
+    lines = []
+    for conv in (conv_id, "c10", "c1x"):
+        for turn, outcome in ((1, "first_turn"), (2, "remote_hit")):
+            lines.append(json.dumps({"v": 1, "ts": float(turn), "source": "router", "event": "router_turn",
+                                     "conversation_id": conv, "turn": turn, "request_id": f"{conv}-r{turn}",
+                                     "outcome": outcome}))
+    (tmp_path / "router-events.jsonl").write_text("\n".join(lines) + "\n")
+    conv = explain_conversation([str(tmp_path)], conv_id)
+    assert [(t.turn, t.request_id, t.verdict.value) for t in conv.turns] == [
+        (1, f"{conv_id}-r1", "first_turn"), (2, f"{conv_id}-r2", "remote_hit")]

@@ -18,6 +18,7 @@ from router_support import FakeBackend, d_params, fake_backends, free_port, read
 from kvdiag.router.app import RouterHandle, start_router
 from kvdiag.router.config import RouterConfig, Upstream
 from kvdiag.router.store import MemoryStore, Store
+from kvdiag.schema.events import read_events
 
 CHAT = "/v1/chat/completions"
 
@@ -56,7 +57,10 @@ async def _post(url: str, body: dict[str, Any],
 
 
 def _events(tmp: Path) -> list[dict[str, Any]]:
-    return read_jsonl(tmp / "router-events.jsonl")
+    path = tmp / "router-events.jsonl"
+    if path.exists():
+        assert all(e.event == "router_turn" for e in read_events(path))  # schema-valid, or it raises
+    return read_jsonl(path)
 
 
 async def _events_n(tmp: Path, n: int) -> list[dict[str, Any]]:

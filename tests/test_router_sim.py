@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ from router_support import free_port, read_jsonl, redis_server, wait_for
 
 from kvdiag.router.app import RouterHandle, start_router
 from kvdiag.router.config import RouterConfig, Upstream
+from kvdiag.schema.events import read_events
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.server import EngineHandle, start_engine
 
@@ -59,7 +63,11 @@ class Bed:
             self.router = None
 
     def events(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.tmp / "router-events.jsonl")
+        path = self.tmp / "router-events.jsonl"
+        if path.exists():
+            for event in read_events(path):  # every record follows the schema (raises otherwise)
+                assert event.source == "router" and event.event == "router_turn"
+        return read_jsonl(path)
 
     async def event(self, n: int) -> dict[str, Any]:
         """The n-th event (1-based), waiting for the writer thread."""
@@ -104,6 +112,7 @@ def _next(messages: list[dict[str, Any]], reply: str, user: str) -> list[dict[st
 @contextlib.asynccontextmanager
 async def sim_bed(tmp: Path, *, n_prefill: int = 1, p: dict[str, Any] | None = None, d: dict[str, Any] | None = None,
                   router: dict[str, Any] | None = None, start: bool = True) -> AsyncIterator[Bed]:
+    tmp.mkdir(parents=True, exist_ok=True)
     ps = [await start_engine(EngineConfig(**{"role": "prefill", "time_scale": 0, "mode": "instrumented", **(p or {})}))
           for _ in range(n_prefill)]
     ds = [await start_engine(EngineConfig(**{"role": "decode", "time_scale": 0, "mode": "instrumented", **(d or {})}))]
@@ -371,3 +380,39 @@ async def test_openai_sdk_streaming_and_not(tmp_path: Path) -> None:
         ev1, ev2, ev3 = await bed.event(1), await bed.event(2), await bed.event(3)
         assert ev1["outcome"] == "first_turn" and ev2["outcome"] == "remote_hit" and not ev2["attrs"]["stream"]
         assert ev3["attrs"]["endpoint"] == "completions" and ev3["outcome"] == "first_turn"
+
+
+async def test_decode_engine_killed_mid_stream_and_decode_5xx(tmp_path: Path) -> None:
+    ready = tmp_path / "d.ready"
+    d_proc = subprocess.Popen([str(Path(sys.executable).parent / "kvdiag"), "sim", "decode", "--port", "0",
+                               "--ready-file", str(ready), "--time-scale", "0.2", "--mode", "instrumented"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await wait_for(ready.exists, timeout=20)
+        d_port = json.loads(ready.read_text())["port"]
+        p = await start_engine(EngineConfig(role="prefill", time_scale=0, mode="instrumented", prefix_caching=False))
+        events = tmp_path / "events.jsonl"
+        router = await start_router(RouterConfig(prefill=(Upstream("127.0.0.1", p.port),),
+                                                 decode=(Upstream("127.0.0.1", d_port),), host="127.0.0.1", port=0,
+                                                 events_file=events))
+        try:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 200,
+                    "stream": True, "conversation_id": "dies"}
+            async with aiohttp.ClientSession() as session, session.post(router.url + CHAT, json=body) as resp:
+                assert (await resp.content.readany()).startswith(b"data: ")
+                d_proc.send_signal(signal.SIGKILL)  # D dies while streaming
+                rest = await resp.read()
+            assert b'"error"' in rest and rest.endswith(b"data: [DONE]\n\n")
+            await wait_for(lambda: len(read_jsonl(events)) >= 1)
+            ev = read_jsonl(events)[0]
+            assert ev["status"] == "error" and ev["outcome"] == "request_failed"
+            assert ev["attrs"]["missing_metadata_reason"] == "decode_failed" and ev["attrs"]["stored"] is False
+        finally:
+            await router.close()
+            await p.close()
+    finally:
+        d_proc.kill()
+        d_proc.wait()
+    async with sim_bed(tmp_path / "5xx", p={"prefix_caching": False}, d={"fail_requests": 1.0}) as bed:
+        status, _, raw = await bed.turn([{"role": "user", "content": "hi"}], "d5")
+        assert status == 502 and "decode failed" in json.loads(raw)["error"]["message"]
