@@ -8,8 +8,9 @@ roles: P requests (``do_remote_decode``, turn 2 carries a D handle so P pulls), 
 (``do_remote_prefill``, then retention under ``decoder_kv_blocks_ttl``), with the connector
 output a worker would report (finished_recving / finished_sending) fed back each step. Only the
 connector class differs. Timed: ``schedule()`` + ``update_from_output()`` per step, which is where
-every scheduler-side hook of the connector runs. Rounds alternate the two classes; the figure is
-the ratio of medians of per-round mean step times.
+every scheduler-side hook of the connector runs. Both engines run in lockstep in one process, step
+i of each doing the same work, so the machine's load hits both sides of each pair alike; the figure
+is the median of the pairwise step-time ratios (and the per-round means for reference).
 """
 
 from __future__ import annotations
@@ -39,59 +40,77 @@ def _fake_handle(i: int, tokens: int) -> dict[str, Any]:
             "remote_num_tokens": tokens}
 
 
-def run_once(connector: str, requests: int, work: Path) -> dict[str, float]:
-    """One pass of the workload; returns mean step seconds and step count."""
-    extra = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 64}
-    eng = Engine("B", write_model_dir(work / "opt"), work, writer_tag=1, num_blocks=4096, extra=extra,
-                 prefix_caching=True, connector=connector, with_worker=False)
-    os.sched_setaffinity(0, _AFFINITY)
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+class Driver:
+    """One engine (one connector class) and its copy of the workload, stepped on demand."""
 
-    sched = eng.scheduler
-    added = 0
-    recv_next: set[str] = set()
-    recv_reported: set[str] = set()
-    send_next: set[str] = set()
-    held: list[str] = []
-    step_times: list[float] = []
-    finished = 0
-    for _ in range(requests * 100):   # bounded: a stuck workload fails loudly instead of spinning
-        if finished >= requests:
-            break
-        while added < requests and len(sched.requests) < 64:
-            i = added
+    def __init__(self, connector: str, requests: int, work: Path) -> None:
+        extra = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 64}
+        self.eng = Engine("B", write_model_dir(work / "opt"), work, writer_tag=1, num_blocks=4096, extra=extra,
+                          prefix_caching=True, connector=connector, with_worker=False)
+        os.sched_setaffinity(0, _AFFINITY)
+        self.requests = requests
+        self.added = self.finished = 0
+        self.recv_next: set[str] = set()
+        self.recv_reported: set[str] = set()
+        self.send_next: set[str] = set()
+        self.held: list[str] = []
+        self.step_times: list[float] = []
+
+    @property
+    def done(self) -> bool:
+        return self.finished >= self.requests
+
+    def step(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        sched = self.eng.scheduler
+        while self.added < self.requests and len(sched.requests) < 64:
+            i = self.added
             prompt = [(7 * i + k) % 50000 + 1 for k in range(PROMPT)]
             if i % 2 == 0:   # P: turn 2 with a D handle (pull), the odd ones are D's
                 params = {"do_remote_decode": True, "do_remote_prefill": False, **_fake_handle(i, PROMPT - 16)}
-                eng.add(f"p-{i}", prompt, max_tokens=1, kv_transfer_params=params)
+                self.eng.add(f"p-{i}", prompt, max_tokens=1, kv_transfer_params=params)
             else:
                 params = {"do_remote_prefill": True, "do_remote_decode": False, **_fake_handle(i, PROMPT)}
-                eng.add(f"d-{i}", prompt, max_tokens=DECODE, kv_transfer_params=params)
-            added += 1
+                self.eng.add(f"d-{i}", prompt, max_tokens=DECODE, kv_transfer_params=params)
+            self.added += 1
         t0 = time.perf_counter()
         so = sched.schedule()
         req_ids = list(so.num_scheduled_tokens)
-        kv_out = KVConnectorOutput(finished_sending=set(send_next), finished_recving=set(recv_next))
+        kv_out = KVConnectorOutput(finished_sending=set(self.send_next), finished_recving=set(self.recv_next))
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: k for k, r in enumerate(req_ids)},
                                 sampled_token_ids=[[11] for _ in req_ids], kv_connector_output=kv_out)
         outputs = sched.update_from_output(so, mro)
-        step_times.append(time.perf_counter() - t0)
-        # What the worker would report next step: reads done for waiting requests, blocks sent.
-        recv_next = {rid for rid, r in sched.requests.items()
-                     if r.status.name == "WAITING_FOR_REMOTE_KVS" and rid not in recv_reported}
-        recv_reported |= recv_next
-        send_next = set(held[: len(held) // 2 + 1]) if held else set()
-        held = [r for r in held if r not in send_next]
+        self.step_times.append(time.perf_counter() - t0)
+        # What the worker would report next step: reads done for waiting requests (once), blocks sent.
+        self.recv_next = {rid for rid, r in sched.requests.items()
+                          if r.status.name == "WAITING_FOR_REMOTE_KVS" and rid not in self.recv_reported}
+        self.recv_reported |= self.recv_next
+        self.send_next = set(self.held[: len(self.held) // 2 + 1]) if self.held else set()
+        self.held = [r for r in self.held if r not in self.send_next]
         for eco in outputs.values():
             for out in eco.outputs:
                 if out.finish_reason is not None:
-                    finished += 1
+                    self.finished += 1
                     if out.kv_transfer_params is not None:
-                        held.append(out.request_id)
+                        self.held.append(out.request_id)
+
+
+def run_pair(requests: int, work: Path) -> dict[str, list[float]]:
+    """Both connectors in lockstep, step for step (alternating who goes first): the machine's load
+    hits both sides of each comparison alike."""
+    plain, kvdiag = Driver(PLAIN_CONNECTOR, requests, work), Driver(CONNECTOR, requests, work)
+    for n in range(requests * 100):   # bounded: a stuck workload fails loudly instead of spinning
+        if plain.done and kvdiag.done:
+            break
+        for drv in ((plain, kvdiag) if n % 2 == 0 else (kvdiag, plain)):
+            if not drv.done:
+                drv.step()
     else:
-        raise RuntimeError(f"{connector}: only {finished}/{requests} requests finished")
-    eng.shutdown()
-    return {"mean_step_s": statistics.fmean(step_times), "steps": float(len(step_times))}
+        raise RuntimeError(f"only {plain.finished}/{kvdiag.finished} of {requests} requests finished")
+    plain.eng.shutdown()
+    kvdiag.eng.shutdown()
+    return {PLAIN_CONNECTOR: plain.step_times, CONNECTOR: kvdiag.step_times}
 
 
 def main() -> int:
@@ -101,27 +120,32 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvdiag-connector-bench-"))
-    results: dict[str, list[float]] = {PLAIN_CONNECTOR: [], CONNECTOR: []}
-    steps: dict[str, float] = {}
-    run_once(PLAIN_CONNECTOR, 20, work)   # warm-up: imports, first-call caches
+    run_pair(20, work)   # warm-up: imports, first-call caches
+    totals: dict[str, list[float]] = {PLAIN_CONNECTOR: [], CONNECTOR: []}
+    ratios: list[float] = []
+    steps = 0
     for _ in range(args.rounds):
-        for name in (PLAIN_CONNECTOR, CONNECTOR):
-            r = run_once(name, args.requests, work)
-            results[name].append(r["mean_step_s"])
-            steps[name] = r["steps"]
-    plain = statistics.median(results[PLAIN_CONNECTOR])
-    kvdiag = statistics.median(results[CONNECTOR])
+        times = run_pair(args.requests, work)
+        steps = len(times[CONNECTOR])
+        # step i of both runs did the same work: compare them pairwise
+        ratios.extend(k / p for p, k in zip(times[PLAIN_CONNECTOR], times[CONNECTOR], strict=False) if p > 0)
+        for name, ts in times.items():
+            totals[name].append(sum(ts) / len(ts))
+    plain, kvdiag = statistics.median(totals[PLAIN_CONNECTOR]), statistics.median(totals[CONNECTOR])
     summary = {"requests": args.requests, "rounds": args.rounds, "steps_per_round": steps,
                "plain_step_ms": round(plain * 1e3, 4), "kvdiag_step_ms": round(kvdiag * 1e3, 4),
-               "overhead_pct": round((kvdiag / plain - 1.0) * 100.0, 2),
-               "per_round_ms": {k: [round(v * 1e3, 4) for v in vs] for k, vs in results.items()}}
+               "overhead_pct_of_means": round((kvdiag / plain - 1.0) * 100.0, 2),
+               "overhead_pct_median_pairwise": round((statistics.median(ratios) - 1.0) * 100.0, 2),
+               "per_request_us": round((kvdiag - plain) * steps / args.requests * 1e6, 1),
+               "per_round_ms": {k: [round(v * 1e3, 4) for v in vs] for k, vs in totals.items()}}
     if args.json:
         print(json.dumps(summary))
     else:
         print(f"requests={args.requests} rounds={args.rounds} steps/round={steps}")
-        print(f"NixlConnector        mean step {summary['plain_step_ms']:.4f} ms")
-        print(f"KVDiagNixlConnector  mean step {summary['kvdiag_step_ms']:.4f} ms")
-        print(f"overhead {summary['overhead_pct']:+.2f}% of step time")
+        print(f"NixlConnector        mean step {summary['plain_step_ms']:.4f} ms (median of rounds)")
+        print(f"KVDiagNixlConnector  mean step {summary['kvdiag_step_ms']:.4f} ms (median of rounds)")
+        print(f"overhead {summary['overhead_pct_median_pairwise']:+.2f}% of step time (median of pairwise step "
+              f"ratios), {summary['per_request_us']} us per request")
     return 0
 
 

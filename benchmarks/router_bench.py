@@ -95,7 +95,7 @@ async def _serve_stub(ready: Path) -> None:
     await runner.setup()
     ports = []
     for _ in range(2):  # one port as P, one as D (same process)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
         await site.start()
     for address in runner.addresses:
         ports.append(int(address[1]))
@@ -252,10 +252,12 @@ class Phase:
         out: dict[str, Any] = {"phase": self.name, "turns_direct": len(self.direct), "turns_routed": len(self.routed),
                                "errors": self.errors, "wall_s": round(self.wall_s, 2)}
         for q, label in ((0.5, "p50"), (0.99, "p99")):
-            d, r = pct(self.direct, q), pct(self.routed, q)
-            out[f"direct_{label}_ms"] = round(d, 3)
-            out[f"router_{label}_ms"] = round(r, 3)
-            out[f"added_{label}_ms"] = round(r - d, 3)
+            if self.direct:
+                out[f"direct_{label}_ms"] = round(pct(self.direct, q), 3)
+            if self.routed:
+                out[f"router_{label}_ms"] = round(pct(self.routed, q), 3)
+            if self.direct and self.routed:
+                out[f"added_{label}_ms"] = round(pct(self.routed, q) - pct(self.direct, q), 3)
         if self.routed:
             out["router_cpu_ms_per_turn"] = round(self.router_cpu_s / len(self.routed) * 1000, 3)
             out["routed_turns_per_s"] = round(len(self.routed) / self.wall_s, 1) if self.wall_s else None

@@ -57,6 +57,11 @@ def _load(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progress: b
                                    "(files, globs or a folder).") from None
 
 
+def _console() -> Console:
+    # Piped output gets a wide page so the tables' columns are not truncated to 80 characters.
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def _rich_table(title: str, df: pd.DataFrame) -> Table:
     table = Table(title=title, title_justify="left")
     index_name = df.index.name or ""
@@ -72,6 +77,8 @@ def _cell(v: object) -> str:
     if v is None or v is pd.NA or (isinstance(v, float) and v != v):
         return "-"
     if isinstance(v, float):
+        if v.is_integer():  # counts that passed through a float column (a transposed mix table)
+            return f"{int(v):,}"
         return f"{v:.3f}" if abs(v) < 1 else f"{v:,.1f}"
     return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
@@ -104,9 +111,12 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
         rep = build_report(df, ttl)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
-    console = Console()
+    console = _console()
     console.print(f"[bold]{len(df):,} turns[/] in {df['conversation_id'].nunique():,} conversations")
     for title, frame in rep.sections:
+        if frame is rep.by_turn or frame is rep.by_prompt:
+            # Verdicts as rows: fifteen verdict columns do not fit a terminal, five buckets do.
+            frame = frame.T.rename_axis("verdict")
         console.print(_rich_table(title, frame))
     g = rep.gaps
     ttl_text = f"{g.decoder_ttl_s:g} s" if g.decoder_ttl_s is not None else "unknown (pass --decoder-ttl)"
@@ -120,7 +130,7 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
 
 
 def _print_advice(adv: Advice) -> None:
-    console = Console()
+    console = _console()
     console.print("[bold]Decode TTL[/]")
     console.print(adv.ttl.summary)
     console.print("[bold]kv_recompute_threshold[/]")

@@ -128,6 +128,8 @@ async def _serve(config: RouterConfig, ready_file: Path | None) -> None:
     # full collection scans only per-turn garbage (otherwise its pause shows up in the router's p99).
     gc.collect()
     gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, 10_000), gen1, gen2)  # per-turn garbage is acyclic: collect less often
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

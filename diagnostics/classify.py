@@ -9,8 +9,10 @@ the answer is ``unknown`` naming the source that would. A wrong ``confirmed`` ve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvdiag.diagnostics.correlate import LogIndex, ProxyRequest, TurnFacts
+from kvdiag.diagnostics.json_logs import ClientStat
 from kvdiag.diagnostics.proxy_log import ProxyRecord
 from kvdiag.diagnostics.records import Evidence, TurnRecord
 from kvdiag.diagnostics.vllm_log import VllmRecord
@@ -83,10 +85,18 @@ class Context:
         return ctx
 
 
-def _ev(rec: object) -> Evidence:
-    source = getattr(rec, "source")  # noqa: B009 - every record type has .source
-    text = getattr(rec, "text")  # noqa: B009
-    return Evidence(source=str(source), text=str(text)[:300])
+class Located(Protocol):
+    """Any parsed record: where it is (``file:line``) and its text."""
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+def _ev(rec: Located) -> Evidence:
+    return Evidence(source=rec.source, text=rec.text[:300])
 
 
 class _Turn:
@@ -139,7 +149,7 @@ class _Turn:
             if dev.event.engine_request_id:
                 r.decode_request_id = dev.event.engine_request_id
 
-    def set(self, verdict: Verdict, confidence: Confidence, reason: str, *evidence: object) -> TurnRecord:
+    def set(self, verdict: Verdict, confidence: Confidence, reason: str, *evidence: Located | None) -> TurnRecord:
         r = self.rec
         r.verdict, r.confidence, r.reason = verdict, confidence, reason
         r.fix = VERDICT_INFO[verdict].fix
@@ -152,7 +162,7 @@ def _p_kind(facts: TurnFacts, *kinds: str) -> VllmRecord | None:
     return next((r for r in facts.p_records if r.kind in kinds), None)
 
 
-def _failed(facts: TurnFacts) -> tuple[str | None, object | None]:
+def _failed(facts: TurnFacts) -> tuple[str | None, Located | None]:
     """Why the turn itself failed (stock or instrumented), with the line that says so."""
     for ev in (*facts.client_events, *facts.router_events):
         if ev.event.status in FAILED_STATUSES:
@@ -197,8 +207,21 @@ def classify_turn(facts: TurnFacts, earlier: list[TurnFacts], ctx: Context) -> T
     """Classify one turn; ``earlier`` are the conversation's earlier turns, in order."""
     b = _Turn(facts)
     rec = _instrumented(facts, b) or _stock(facts, earlier, ctx, b)
+    if rec.gap_s is None and earlier:
+        rec.gap_s = _client_gap(earlier[-1].client_stat, facts.client_stat)
     _fix_hint(rec, ctx)
     return rec
+
+
+def _client_gap(prev: ClientStat | None, cur: ClientStat | None) -> float | None:
+    """Seconds between the previous reply's end and this request, from the benchmark's own clock."""
+    if prev is None or cur is None:
+        return None
+    start, latency, now = prev.start_time_ms, prev.latency_ms, cur.start_time_ms
+    if start is None or latency is None or now is None:
+        return None
+    gap = (now - start - latency) / 1000.0
+    return round(gap, 3) if gap >= 0 else None
 
 
 def _instrumented(facts: TurnFacts, b: _Turn) -> TurnRecord | None:
@@ -240,14 +263,17 @@ def _stock(facts: TurnFacts, earlier: list[TurnFacts], ctx: Context, b: _Turn) -
     if first:
         if failed_why is not None:
             return b.set(Verdict.REQUEST_FAILED, CONFIRMED, f"turn 1 failed: {failed_why}", failed_line)
+        if _prefill_leg_failed(proxy):
+            return b.set(Verdict.REQUEST_FAILED, INFERRED, "turn 1 failed: the proxy logged no 'Prefill done' "
+                         "for it (the prefill leg failed)", *(proxy.lines[:1] if proxy else []))
         # The client's message count proves turn 1; the proxy's order only suggests it (rotated logs).
         conf = CONFIRMED if facts.client_stat is not None and facts.client_stat.input_num_turns is not None \
             else INFERRED
         return b.set(Verdict.FIRST_TURN, conf, "first turn of the conversation: nothing to retrieve yet",
                      *(proxy.lines[:1] if proxy else []), facts.client_stat)
     if proxy is not None and proxy.lookup in ("miss", "no_handle"):
-        if earlier and all(_failed(e)[0] is not None and (e.proxy is None or e.proxy.stored is None)
-                           for e in earlier):
+        if earlier and all((_failed(e)[0] is not None or _prefill_leg_failed(e.proxy))
+                           and (e.proxy is None or e.proxy.stored is None) for e in earlier):
             # nothing was ever answered: the request carries no earlier reply, as on turn 1
             return b.set(Verdict.FIRST_TURN, INFERRED, "every earlier request of the conversation failed: "
                          "nothing to retrieve yet", miss_line(proxy), earlier[-1].proxy.lines[0]
@@ -264,6 +290,11 @@ def _stock(facts: TurnFacts, earlier: list[TurnFacts], ctx: Context, b: _Turn) -
     missing = "the router's proxy log (--proxy-log) or router events" if not ctx.has_router else "P's log"
     return b.set(Verdict.UNKNOWN, INFERRED, f"the logs given cannot decide this turn: add {missing}",
                  facts.client_stat)
+
+
+def _prefill_leg_failed(proxy: ProxyRequest | None) -> bool:
+    """The proxy logs "[id] Prefill done in N ms" once P answered; without it the P leg failed."""
+    return proxy is not None and proxy.stored is None and not any(ln.kind == "prefill_done" for ln in proxy.lines)
 
 
 def miss_line(proxy: ProxyRequest) -> ProxyRecord:
@@ -340,9 +371,14 @@ def _handle_offered(facts: TurnFacts, ctx: Context, b: _Turn) -> TurnRecord:
         return b.set(Verdict.FEATURE_DISABLED_ON_PREFILL, INFERRED, "P's DEBUG log shows no D→P read, skip, "
                      "decline or failure for this request: P ignored D's handle (bidirectional_kv_xfer off on P)",
                      sent, *facts.p_records[:1])
+    if _prefill_leg_failed(facts.proxy):
+        return b.set(Verdict.REQUEST_FAILED, INFERRED, "the proxy logged no 'Prefill done' for it and P logged "
+                     "no D→P decline or failure: the prefill leg failed for another reason", sent)
+    tail = ("; the proxy stored no handle after it, so the turn may have failed downstream (vLLM logs request "
+            "failures only with --enable-log-requests)" if facts.proxy.stored is None else "")
     return b.set(Verdict.UNKNOWN, INFERRED, "the proxy offered D's handle and P logged no failure: remote_hit, "
                  "local_hit or below_threshold; stock vLLM logs nothing for these at INFO — run P at "
-                 "VLLM_LOGGING_LEVEL=DEBUG or add prefill events to decide", sent)
+                 f"VLLM_LOGGING_LEVEL=DEBUG or add prefill events to decide{tail}", sent)
 
 
 def _no_handle(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn) -> TurnRecord:
@@ -370,7 +406,7 @@ def _no_handle(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn)
                  "logs: add the earlier proxy log (rotated file) or router events", miss)
 
 
-def _metadata_not_returned(facts: TurnFacts, prev: TurnFacts, ctx: Context, b: _Turn, miss: object
+def _metadata_not_returned(facts: TurnFacts, prev: TurnFacts, ctx: Context, b: _Turn, miss: Located
                            ) -> TurnRecord:
     for rec in prev.d_records + prev.p_records + prev.other_records:
         if rec.kind == "aborted":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -17,6 +18,7 @@ from kvdiag.diagnostics.json_logs import ClientStat, EventRecord
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log import ProxyRecord
 from kvdiag.diagnostics.vllm_log import VllmRecord, header_request_id
+from kvdiag.schema.events import TurnEvent
 
 HASH_PREFIX_LENGTHS: Final = (12, 16, 64)
 # vLLM kinds only a prefill (reader) engine logs: they tell a file's role when its name does not.
@@ -196,19 +198,30 @@ def correlate(index: LogIndex, only: str | None = None) -> list[Conversation]:
         return facts
 
     # 1. Events with explicit conversation + turn (router first: it owns the request id).
-    rid_to_conv: dict[str, tuple[str, int]] = {}
-    for source in ("router", "client"):
+    router_rids = {ev.event.request_id for ev in index.events if ev.event.source == "router"}
+    passes: tuple[tuple[str, Callable[[TurnEvent], bool]], ...] = (
+        ("router", lambda e: e.source == "router"),
+        ("client", lambda e: e.source == "client" and e.request_id in router_rids),
+        ("client-unmatched", lambda e: e.source == "client" and e.request_id not in router_rids),
+    )
+    for source, wanted in passes:
         for ev in index.events:
             e = ev.event
-            if e.source != source or e.conversation_id is None or e.turn is None:
+            if not wanted(e) or e.conversation_id is None or e.turn is None:
                 continue
             conv = tag_to_conv.get(e.conversation_id, e.conversation_id)
             if only is not None and conv != only:
                 continue
+            if source == "client-unmatched":
+                # a failed request's client record may carry another id than the router's (no echo
+                # header on an error): the one router-only request of that turn is the same request
+                lone = [f for (t, _), f in convs[conv].items() if t == e.turn and f.router_events
+                        and not f.client_events]
+                if len(lone) == 1:
+                    lone[0].client_events.append(ev)
+                    continue
             facts = slot(conv, e.turn, e.request_id)
             (facts.router_events if source == "router" else facts.client_events).append(ev)
-            if e.request_id:
-                rid_to_conv[e.request_id] = (conv, e.turn)
     # Router events without a conversation or turn (no id sent) join through the client's request id.
     for ev in index.events:
         e = ev.event
@@ -233,13 +246,18 @@ def correlate(index: LogIndex, only: str | None = None) -> list[Conversation]:
         if only is None or stat.conversation_id == only:
             stats_by_conv[stat.conversation_id].append(stat)
     for conv, stats in stats_by_conv.items():
-        for turn, stat in _stat_turns(stats):
+        # Requests the router/proxy already placed, in order; the k-th record (by messages sent, then
+        # start) is the k-th request. A duplicate sent twice is two requests with one turn number.
+        placed = sorted((f for f in convs[conv].values() if f.client_stat is None), key=_request_order)
+        for i, (turn, stat) in enumerate(_stat_turns(stats)):
             if stat.request_id and stat.request_id in by_rid:
                 by_rid[stat.request_id].client_stat = stat
-                continue
-            same = next((f for (t, _), f in sorted(convs[conv].items()) if t == turn and f.client_stat is None),
-                        None)
-            (same or slot(conv, turn, stat.request_id)).client_stat = stat
+            elif stat.turn is None and i < len(placed):
+                placed[i].client_stat = stat
+            else:
+                same = next((f for (t, _), f in sorted(convs[conv].items()) if t == turn and f.client_stat is None),
+                            None)
+                (same or slot(conv, turn, stat.request_id)).client_stat = stat
     # 4. Engine events and lines, by request id.
     for ev in index.events:
         e = ev.event
@@ -293,6 +311,13 @@ def correlate(index: LogIndex, only: str | None = None) -> list[Conversation]:
                 cur.concurrent = prev.proxy.stored_seq is not None and prev.proxy.stored_seq > cur.proxy.seq
         out.append(Conversation(conversation_id=conv, turns=ordered))
     return out
+
+
+def _request_order(f: TurnFacts) -> tuple[int, float]:
+    if f.proxy is not None:
+        return (f.turn, float(f.proxy.seq))
+    ts = [e.event.ts for e in (*f.router_events, *f.client_events)]
+    return (f.turn, min(ts) if ts else 0.0)
 
 
 def _record_rids(rec: VllmRecord) -> list[str]:

@@ -224,8 +224,10 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
                                                            and _needs_second_pass(f, index, rids))]
     if rid_needles:
         _load(second_files, index, _parallel(second_files, second_lines))
-    index.proxy.sort(key=lambda p: (p.path, p.lineno))
-    index.events.sort(key=lambda e: (e.path, e.lineno))
+    # back into file order (rotated files oldest first, as detect() sorted them), then line order
+    order = {f.path: i for i, f in enumerate(files)}
+    index.proxy.sort(key=lambda p: (order[p.path], p.lineno))
+    index.events.sort(key=lambda e: (order[e.path], e.lineno))
     convs = correlate(index, only=conversation_id)
     # A second look at the ids of engine/proxy lines only joined through rids is not needed:
     # correlate keys every record by the rids gathered in pass 1.
@@ -264,7 +266,9 @@ def _needs_second_pass(f: LogFile, index: LogIndex, rids: set[str]) -> bool:
     request-only lines ("Prefill done") add nothing when router events cover every request.
     """
     sources = {e.event.source for e in index.events if e.path == f.path}
-    router_rids = {e.event.request_id for e in index.events if e.event.source == "router" and e.event.request_id}
+    # only router events that decide their turn (stock rules, which need every proxy line, never run for them)
+    router_rids = {e.event.request_id for e in index.events if e.event.source == "router" and e.event.request_id
+                   and e.event.outcome not in (None, Verdict.UNKNOWN.value)}
     covered = bool(router_rids) and rids <= router_rids
     if f.fmt == "events":
         if sources == {"client"}:

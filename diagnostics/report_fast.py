@@ -14,16 +14,13 @@ from collections.abc import Sequence
 from typing import Final
 
 import duckdb
-import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvdiag.diagnostics.detect import detect
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 
-_PROMPT_EDGES: Final = np.array([2048, 8192, 16384, 32768], dtype="float64")
+_PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
     "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR", "turn": "BIGINT",
     "request_id": "VARCHAR", "model": "VARCHAR", "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
@@ -44,9 +41,10 @@ _RENAME: Final = {"ts": "start_ts", "duration_ms": "latency_ms", "remote_read_to
 
 def _scan_sql() -> str:
     cols = ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items())
-    return (f"SELECT * FROM read_json($files, format = 'newline_delimited', columns = {{{cols}}}, "
-            "ignore_errors = true) WHERE event IN ('client_turn', 'router_turn') "
-            "AND conversation_id IS NOT NULL AND turn IS NOT NULL")
+    # k: a 64-bit key per (source, turn) so the duplicate check is an integer count-distinct.
+    return (f"SELECT *, hash(source, conversation_id, turn) AS k FROM read_json($files, "
+            f"format = 'newline_delimited', columns = {{{cols}}}, ignore_errors = true) "
+            "WHERE event IN ('client_turn', 'router_turn') AND conversation_id IS NOT NULL AND turn IS NOT NULL")
 
 
 def _pick(name: str) -> str:
@@ -93,9 +91,32 @@ FROM r FULL OUTER JOIN c ON r.conversation_id = c.conversation_id AND r.turn = c
 
 
 _KNOWN: Final = ", ".join(f"'{v.value}'" for v in Verdict if v is not Verdict.UNKNOWN)
-_GAP_SQL: Final = """
-SELECT coalesce(gap_s, CASE WHEN turn > 1 THEN greatest(0.0, start_ts - lag(start_ts + latency_ms / 1000.0)
-    OVER (PARTITION BY conversation_id ORDER BY turn)) END) AS gap_s, conversation_id, turn
+
+
+def _in(verdicts: frozenset[Verdict]) -> str:
+    return ", ".join(f"'{v.value}'" for v in sorted(verdicts))
+
+
+def _final_sql(gap_window: bool) -> str:
+    # Every derived column of report.build_turn_table, vectorized in DuckDB (strings stay Arrow).
+    gap = ("coalesce(gap_s, CASE WHEN turn > 1 THEN greatest(0.0, start_ts - lag(start_ts + latency_ms / 1000.0) "
+           "OVER (PARTITION BY conversation_id ORDER BY turn)) END)" if gap_window else "gap_s")
+    edges = " ".join(f"WHEN prompt_tokens < {e} THEN '{b}'" for e, b in zip(_PROMPT_EDGES, PROMPT_BUCKETS,
+                                                                                strict=False))
+    reasons = " ".join(f"WHEN contains(reason, '{n}') THEN '{n}'" for n in MISSING_METADATA_REASONS)
+    return f"""
+SELECT * EXCLUDE (gap_s, verdict),
+  CASE WHEN verdict IN ({_KNOWN}) THEN verdict ELSE 'unknown' END AS verdict,
+  {gap} AS gap_s,
+  start_ts + latency_ms / 1000.0 AS end_ts,
+  CASE WHEN turn <= 1 THEN '1' WHEN turn = 2 THEN '2' WHEN turn = 3 THEN '3' WHEN turn <= 7 THEN '4-7'
+       ELSE '8+' END AS turn_bucket,
+  CASE WHEN prompt_tokens IS NULL THEN NULL {edges} ELSE '{PROMPT_BUCKETS[-1]}' END AS prompt_bucket,
+  verdict IN ({_in(REUSED_VERDICTS)}) AS reused,
+  verdict IN ({_in(ELIGIBLE_VERDICTS)}) AS eligible,
+  CASE WHEN verdict IN ({_KNOWN}) THEN 'confirmed' ELSE 'inferred' END AS confidence,
+  CASE WHEN verdict <> '{Verdict.METADATA_NOT_RETURNED.value}' THEN NULL {reasons} ELSE 'unknown' END
+    AS metadata_reason
 FROM turns
 """
 
@@ -111,52 +132,20 @@ def events_turn_table(files: Sequence[str]) -> pd.DataFrame:
     try:
         # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
         con.execute("CREATE TEMP TABLE scanned AS " + _scan_sql(), {"files": list(files)})
-        dups = con.sql("SELECT count(*) FROM (SELECT 1 FROM scanned GROUP BY source, conversation_id, turn "
-                       "HAVING count(*) > 1)").fetchall()[0]
-        sources = con.sql("SELECT count(DISTINCT source) FROM scanned").fetchall()[0]
-        if dups[0] == 0 and sources[0] <= 1:
+        # A hash collision only sends the run down the (exact) merge path.
+        dups, sources = con.sql("SELECT count(*) - count(DISTINCT k), count(DISTINCT source) FROM scanned"
+                                ).fetchall()[0]
+        if dups == 0 and sources <= 1:
             # One event per turn (the router's, usually): the scan already is the table.
             keep = ["conversation_id", "turn", "request_id", "ttft_ms", "reason", "status", *_FIELDS, *_RENAME]
-            turns = con.sql(f"SELECT {', '.join(f'{c} AS {_RENAME.get(c, c)}' for c in keep)} FROM scanned"
-                            ).to_arrow_table()
-        elif dups[0] == 0:
-            turns = con.sql(_join_sql()).to_arrow_table()
+            turns_sql = f"SELECT {', '.join(f'{c} AS {_RENAME.get(c, c)}' for c in keep)} FROM scanned"
         else:
-            turns = con.sql(_merge_sql()).to_arrow_table()
-        turns = turns.append_column("end_ts", pc.add(turns["start_ts"], pc.divide(turns["latency_ms"], 1000.0)))
-        if turns["gap_s"].null_count > _first_turns(turns):  # some later turn lacks the router's gap
-            gaps = con.sql(_GAP_SQL).to_arrow_table()
-            turns = turns.drop_columns(["gap_s"]).join(gaps, ["conversation_id", "turn"])
-        df = turns.to_pandas()
+            turns_sql = _join_sql() if dups == 0 else _merge_sql()
+        df = con.sql(f"WITH turns AS ({turns_sql}) {_final_sql(False)}").to_arrow_table().to_pandas()
+        if bool(((df["turn"] > 1) & df["gap_s"].isna()).any()):
+            # The router states each later turn's gap; only when some is missing pay for the window.
+            df = con.sql(f"WITH turns AS ({turns_sql}) {_final_sql(True)}").to_arrow_table().to_pandas()
     finally:
         con.close()
-    return _derive(df)
-
-
-def _first_turns(turns: pa.Table) -> int:
-    return int(pc.sum(pc.equal(turns["turn"], 1)).as_py() or 0)
-
-
-def _derive(df: pd.DataFrame) -> pd.DataFrame:
-    # Vectorized equivalents of report.build_turn_table's per-row derivations.
-    verdict = df["verdict"].astype("str").where(df["verdict"].isin([v.value for v in Verdict]), Verdict.UNKNOWN.value)
-    df["verdict"] = verdict
-    turn = df["turn"].to_numpy(dtype="int64")
-    df["turn_bucket"] = np.select([turn <= 1, turn == 2, turn == 3, turn <= 7], ["1", "2", "3", "4-7"], "8+")
-    tokens = df["prompt_tokens"].to_numpy(dtype="float64", na_value=np.nan)
-    labels = np.array(PROMPT_BUCKETS, dtype=object)[np.searchsorted(_PROMPT_EDGES, np.nan_to_num(tokens), "right")]
-    df["prompt_bucket"] = np.where(np.isnan(tokens), None, labels)
-    df["reused"] = verdict.isin([v.value for v in REUSED_VERDICTS])
-    df["eligible"] = verdict.isin([v.value for v in ELIGIBLE_VERDICTS])
-    df["confidence"] = np.where(verdict == Verdict.UNKNOWN.value, "inferred", "confirmed")
-    if "reason" not in df.columns:
-        df["reason"] = ""
-    if "status" not in df.columns:
-        df["status"] = None
-    missing = np.full(len(df), None, dtype=object)
-    reasons = df["reason"].to_numpy(dtype=object, na_value="")
-    for i in np.flatnonzero((verdict == Verdict.METADATA_NOT_RETURNED.value).to_numpy()):
-        # Few rows: the first reason name found in the text, as report._metadata_reason does.
-        missing[i] = next((n for n in MISSING_METADATA_REASONS if n in reasons[i]), "unknown")
-    df["metadata_reason"] = missing
+    df["reason"] = df["reason"].fillna("")
     return df

@@ -48,6 +48,7 @@ _logger = logging.getLogger(__name__)
 
 EVENTS_FILE_ENV: Final = "KVDIAG_EVENTS_FILE"
 MAX_TRACKED: Final = 65_536          # requests in flight we keep facts for (oldest dropped beyond)
+STATS_INTERVAL_S: Final = 0.25       # scheduler-side counters ship to the API server at most this often
 _HANDLE_KEYS: Final = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 _OK_STATUSES: Final = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
@@ -139,6 +140,8 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
         self._pending: OrderedDict[str, _Tracked] = OrderedDict()
         self._retained: OrderedDict[str, _Retained] = OrderedDict()
+        self._retained_reported = 0
+        self._stats_shipped = 0.0
         self._model = str(getattr(vllm_config.model_config, "served_model_name", None) or "") or None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
@@ -184,9 +187,11 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         return result
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params or {}
-        pulling_from_d = bool(params.get("do_remote_decode") and params.get("remote_block_ids")
-                              and not params.get("_remote_blocks_processed"))
+        pulling_from_d = False
+        with self.kvdiag_guard:  # read before vLLM marks the handle processed
+            params = request.kv_transfer_params or {}
+            pulling_from_d = bool(params.get("do_remote_decode") and params.get("remote_block_ids")
+                                  and not params.get("_remote_blocks_processed"))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         with self.kvdiag_guard:
             tracked = self._tracked.get(request.request_id)
@@ -218,11 +223,25 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         if self.connector_worker is not None:
             worker_stats: KVConnectorStats | None = super().get_kv_connector_stats()
             return worker_stats
+        with self.kvdiag_guard:
+            return self._scheduler_stats()
+        return None
+
+    def _scheduler_stats(self) -> KVConnectorStats | None:
+        if len(self._retained) != self._retained_reported:
+            self._retained_reported = len(self._retained)
+            self._kvdiag_stats.data["kvdiag_retained"].append(self._retained_reported)
         errors = self.kvdiag_guard.take_unreported()
         if errors:
             self._kvdiag_stats.data["kvdiag_emit_errors"].extend([1] * errors)
         if self._kvdiag_stats.is_empty():
             return None
+        # Counters ship at most every STATS_INTERVAL_S while requests are in flight (Prometheus needs no
+        # per-step granularity; each shipment costs vLLM an aggregate and a payload), at once when idle.
+        now = time.monotonic()
+        if self._tracked and now - self._stats_shipped < STATS_INTERVAL_S:
+            return None
+        self._stats_shipped = now
         stats: KVConnectorStats = self._kvdiag_stats.clone_and_reset()
         return stats
 
@@ -400,7 +419,6 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
             params[DIGEST_KEY] = make_digest([bytes(h) for h in request.block_hashes[:held]], self._block_size)
         self._remember(self._retained, request.request_id,
                        _Retained(time.monotonic(), blocks, ttl))
-        self._kvdiag_stats.data["kvdiag_retained"].append(len(self._retained))
         self._emit(source="decode", event="kv_retained", engine_id=self.engine_id,
                    engine_request_id=request.request_id, request_id=header_request_id(request.request_id),
                    model=self._model, retained_blocks=blocks, ttl_s=ttl,
@@ -412,7 +430,6 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         if held is None:
             return
         self._kvdiag_stats.data["kvdiag_released"].append(reason)
-        self._kvdiag_stats.data["kvdiag_retained"].append(len(self._retained))
         self._emit(source="decode", event="kv_released", engine_id=self.engine_id,
                    engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
                    retained_blocks=held.blocks, ttl_s=held.ttl_s, release_reason=reason,

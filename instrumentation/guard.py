@@ -13,7 +13,8 @@ import logging
 import time
 from types import TracebackType
 
-_logger = logging.getLogger("kvdiag.instrumentation")
+# Under vLLM's logger tree, so inside an engine the line gets vLLM's handler and format in its log.
+_logger = logging.getLogger("vllm.kvdiag")
 
 _LOG_INTERVAL_S = 10.0  # at most one traceback per interval: a broken hook fires every step
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import marshal
 import time
 import uuid
 from collections import OrderedDict
@@ -134,6 +135,18 @@ def _new_token() -> str:
     return uuid.uuid4().hex
 
 
+def _pack_handle(handle: Handle) -> bytes:
+    # marshal: the fastest exact round trip of JSON-like builtins (ints stay ints); in-process data only.
+    prefix = (handle.prefix.kind, handle.prefix.length, handle.prefix.digest) if handle.prefix else None
+    return marshal.dumps((handle.params, handle.turn, handle.request_id, prefix))
+
+
+def _unpack_handle(stored_at: float, packed: bytes) -> Handle:
+    params, turn, request_id, prefix = marshal.loads(packed)
+    return Handle(params=params, stored_at=stored_at, turn=turn, request_id=request_id,
+                  prefix=PromptPrefix(*prefix) if prefix else None)
+
+
 class MemoryStore:
     """In-process store: at most ``capacity`` handles (LRU), each living ``entry_ttl`` seconds.
 
@@ -149,8 +162,10 @@ class MemoryStore:
         self.lock_ttl = lock_ttl
         self._on_evict = on_evict
         self._clock = clock
-        self._handles: OrderedDict[str, Handle] = OrderedDict()
-        self._last: OrderedDict[str, LastTurn] = OrderedDict()
+        # Entries are kept as (timestamp, JSON) tuples of atomics, which the cyclic garbage collector
+        # does not track: 100k stored objects would make every full collection a ~200 ms pause.
+        self._handles: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._last: OrderedDict[str, tuple[float, int, bool, str, str | None]] = OrderedDict()
         self._locks: dict[str, tuple[str, float]] = {}
         # Claim tokens only need to be unique within this process (uuid4 would double a claim's cost).
         self._tokens = itertools.count(1)
@@ -159,25 +174,32 @@ class MemoryStore:
         if n and self._on_evict is not None:
             self._on_evict(reason, n)
 
-    def _expired(self, handle: Handle, now: float) -> bool:
-        return now - handle.stored_at >= self.entry_ttl
+    def _expired(self, stored_at: float, now: float) -> bool:
+        return now - stored_at >= self.entry_ttl
 
     def claim_now(self, key: str) -> Claim:
         """Synchronous :meth:`claim` (the memory store never waits)."""
         now = self._clock()
-        last = self._last.get(key)
-        if last is not None and now - last.ended_at >= self.last_turn_ttl:
-            del self._last[key]
-            last = None
+        last = None
+        raw_last = self._last.get(key)
+        if raw_last is not None:
+            ended_at, turn, stored, request_id, reason = raw_last
+            if now - ended_at >= self.last_turn_ttl:
+                del self._last[key]
+            else:
+                last = LastTurn(turn, ended_at, stored, request_id, reason)
         held = self._locks.get(key)
         if held is not None and held[1] > now:
             return Claim(None, None, last)
         token = f"m{next(self._tokens)}"
         self._locks[key] = (token, now + self.lock_ttl)
-        handle = self._handles.pop(key, None)
-        if handle is not None and self._expired(handle, now):
-            self._evicted("ttl", 1)
-            handle = None
+        handle = None
+        raw = self._handles.pop(key, None)
+        if raw is not None:
+            if self._expired(raw[0], now):
+                self._evicted("ttl", 1)
+            else:
+                handle = _unpack_handle(raw[0], raw[1])
         return Claim(token, handle, last)
 
     def complete_now(self, key: str, token: str, handle: Handle | None, last: LastTurn) -> bool:
@@ -189,7 +211,7 @@ class MemoryStore:
         self._locks.pop(key, None)
         if handle is not None:
             self.put_handle(key, handle)
-        self._last[key] = last
+        self._last[key] = (last.ended_at, last.turn, last.stored, last.request_id, last.missing_reason)
         self._last.move_to_end(key)
         while len(self._last) > self.capacity:
             self._last.popitem(last=False)
@@ -197,7 +219,7 @@ class MemoryStore:
 
     def put_handle(self, key: str, handle: Handle) -> None:
         """Store ``handle`` for ``key``, evicting the least recently stored handle beyond capacity."""
-        self._handles[key] = handle
+        self._handles[key] = (handle.stored_at, _pack_handle(handle))
         self._handles.move_to_end(key)
         if len(self._handles) > self.capacity:
             self._handles.popitem(last=False)
@@ -209,7 +231,7 @@ class MemoryStore:
         if held is None or held[0] != token:
             return
         del self._locks[key]
-        if handle is not None and key not in self._handles and not self._expired(handle, self._clock()):
+        if handle is not None and key not in self._handles and not self._expired(handle.stored_at, self._clock()):
             self.put_handle(key, handle)
 
     def sweep(self) -> int:
@@ -218,14 +240,14 @@ class MemoryStore:
         expired = 0
         # Handles are stored in completion order and share one TTL, so expired ones sit at the front.
         while self._handles:
-            key, handle = next(iter(self._handles.items()))
-            if not self._expired(handle, now):
+            key, (stored_at, _) = next(iter(self._handles.items()))
+            if not self._expired(stored_at, now):
                 break
             del self._handles[key]
             expired += 1
         while self._last:
-            key, last = next(iter(self._last.items()))
-            if now - last.ended_at < self.last_turn_ttl:
+            key, record = next(iter(self._last.items()))
+            if now - record[0] < self.last_turn_ttl:
                 break
             del self._last[key]
         for key in [k for k, (_, until) in self._locks.items() if until <= now]:

@@ -119,7 +119,7 @@ def test_a_malformed_client_digest_is_rejected(bad: object) -> None:
 
 def test_guard_swallows_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     guard = Guard("test")
-    with caplog.at_level(logging.WARNING, logger="kvdiag.instrumentation"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvdiag"):
         for _ in range(3):
             with guard:
                 raise KeyError("boom")

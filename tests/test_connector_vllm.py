@@ -153,6 +153,27 @@ def test_pull_matching_prefix_reads_only_matching_blocks(run: dict[str, Any]) ->
     assert rec["t2_p_recv_sha"] == rec["t1_d_held_sha"][:2]
 
 
+def test_handshake_failure_is_transfer_failed_by_type(run: dict[str, Any]) -> None:
+    rec = scenario(run, "s7_handshake_failed")
+    assert rec["t2_p_params"] is None and rec["t2_p_finish"] == "error"  # vLLM's policy fail
+    t2 = one(events(rec, "prefill"), "prefill_request", rec["ids"]["t2-p"])
+    assert (t2.outcome, t2.failure_type, t2.status) == ("transfer_failed", "handshake_failed", "error")
+    assert rec["p_stats"]["num_failed_handshakes"] == [1]
+    failures = [r.fields for r in log_records(run, "nixl_failure") if r.fields["failure_type"] == "handshake_failed"]
+    assert any(f["context"].get("request_id") == t2.engine_request_id for f in failures)
+
+
+def test_an_error_inside_the_observer_never_fails_the_request(run: dict[str, Any]) -> None:
+    rec = scenario(run, "s8_observer_error")
+    # the report could not be built: vLLM's own params pass through untouched, D still decodes
+    assert "kvdiag" not in rec["t1_p_params"] and rec["t1_p_params"]["do_remote_prefill"] is True
+    assert rec["t1_d_recv_sha"] == rec["t1_p_sha"] and rec["d_finish"] == "length"
+    assert rec["guard_errors"] == 1 and rec["p_emit_errors"] == 1   # counted, shipped as kvdiag_emit_errors
+    with open(Path(run["_out"]) / "engine.log", encoding="utf-8") as fh:
+        assert any("kvdiag instrumentation error in connector" in r.msg and r.level == "WARNING"
+                   for r in parse_vllm_log(fh))
+
+
 def test_vllm_log_lines_parse_to_the_event_facts(run: dict[str, Any]) -> None:
     s1, s2, s3 = scenario(run, "s1_two_turn"), scenario(run, "s2_expired"), scenario(run, "s3_threshold")
     declined = {r.fields["request_id"]: r.fields for r in log_records(run, "declining_expired")}

@@ -1,7 +1,7 @@
 """The verdict matrix on the real testbed: sim P + sim D + router, every verdict from a switch.
 
 One run (instrumented engines at DEBUG with request logging, the router writing both its events
-and the example proxy's text log) over 20+ conversations. Ground truth is each request's
+and the example proxy's text log, conversation ids hashed) over 20+ conversations. Ground truth is each request's
 ``router_turn`` outcome (the router decides, merged with P's report). Then:
 
 * instrumented: explain over every file returns that verdict for 100% of turns, all confirmed;
@@ -30,7 +30,7 @@ from kvdiag.schema.verdicts import Confidence, Verdict
 from kvdiag.sim.workload import ClientLogWriter, WorkloadRunner, write_request_stats
 from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig
 
-TIMINGS = DemoTimings(decode_ttl=7.0, router_ttl=6.5, expired_read_gap=3.0, router_expired_gap=6.9)
+TIMINGS = DemoTimings(decode_ttl=8.0, router_ttl=7.5, expired_read_gap=4.0, router_expired_gap=7.9)
 LONG, SHORT = 96, 24
 MODEL = "Qwen/Qwen3-32B"
 STOCK_FILES = ("prefill.log", "decode.log", "proxy.log", "client-stats.json")
@@ -61,7 +61,8 @@ def _router(out: Path, p: Component, d: Component, port: int) -> list[str]:
     return ["router", "--host", "127.0.0.1", "--port", str(port), "--prefiller-host", "127.0.0.1",
             "--prefiller-port", str(p.port), "--decoder-host", "127.0.0.1", "--decoder-port", str(d.port),
             "--decoder-kv-blocks-ttl", f"{TIMINGS.decode_ttl:g}", "--entry-ttl", f"{TIMINGS.router_ttl:g}",
-            "--events-file", str(out / "router-events.jsonl"), "--proxy-log", str(out / "proxy.log")]
+            "--events-file", str(out / "router-events.jsonl"), "--proxy-log", str(out / "proxy.log"),
+            "--hash-ids"]  # ids in the router's events and log are sha256 tags: joins must still work
 
 
 async def _drive(out: Path, comps: dict[str, Component]) -> None:
@@ -151,9 +152,12 @@ def test_every_verdict_is_produced_over_20_conversations(sim_run: Path) -> None:
 
 def test_instrumented_logs_give_the_injected_verdict(sim_run: Path) -> None:
     truth = _truth(sim_run)
-    got = _by_request(load_turns([str(sim_run)]))
+    convs = load_turns([str(sim_run)])
+    got = _by_request(convs)
     wrong = {rid: (v.value, got.get(rid)) for rid, v in truth.items() if got.get(rid, (None,))[0] is not v}
     assert not wrong
+    # every client request reached the router: one explained turn per router_turn, no phantom turns
+    assert sum(len(c.turns) for c in convs) == len(truth)
     assert all(c is Confidence.CONFIRMED for _, c, _ in got.values())
 
 
@@ -177,11 +181,19 @@ def test_stock_debug_logs_give_the_injected_verdict(sim_run: Path) -> None:
     assert not _check_stock(truth, got, STOCK_UNDECIDABLE_DEBUG)
 
 
-def test_stock_info_logs_say_unknown_only_where_documented(sim_run: Path, tmp_path: Path) -> None:
+REQUEST_LOGGING = (b"] Received request ", b"] Added request ", b"] Generated response ", b"] Aborted request",
+                   b"] Request ")
+
+
+@pytest.mark.parametrize("request_logging", [True, False], ids=["log-requests", "default"])
+def test_stock_info_logs_say_unknown_only_where_documented(sim_run: Path, tmp_path: Path,
+                                                           request_logging: bool) -> None:
+    """P and D at INFO, with or without --enable-log-requests (vLLM's default is without)."""
     for name in STOCK_FILES:
         lines = (sim_run / name).read_bytes().splitlines(keepends=True)
         if name.endswith(".log") and name != "proxy.log":
-            lines = [ln for ln in lines if b") DEBUG " not in ln[:80] and not ln.startswith(b"DEBUG ")]
+            lines = [ln for ln in lines if b") DEBUG " not in ln[:80] and not ln.startswith(b"DEBUG ")
+                     and (request_logging or not any(k in ln for k in REQUEST_LOGGING))]
         (tmp_path / name).write_bytes(b"".join(lines))
     truth = _truth(sim_run)
     got = _by_request(load_turns([str(tmp_path)]), sim_run)

@@ -38,6 +38,7 @@ def test_expired_remote_read_confirmed_by_p_decline() -> None:
     assert sources[0].endswith("proxy.log:10") and any(s.endswith("prefill.log:4") for s in sources)
     assert any(s.endswith("decode.log:3") for s in sources)  # D released the handle the turn was given
     assert t2.ttft_ms == 171.0
+    assert t2.gap_s == 35.44 and t2.fix.startswith("gap 35 s vs decoder_kv_blocks_ttl 480 s")
 
 
 def test_transfer_failed_names_failure_type() -> None:
@@ -135,3 +136,20 @@ def test_prefilter_finds_escaped_ids_and_only_exact_ones(tmp_path: Path, conv_id
     conv = explain_conversation([str(tmp_path)], conv_id)
     assert [(t.turn, t.request_id, t.verdict.value) for t in conv.turns] == [
         (1, f"{conv_id}-r1", "first_turn"), (2, f"{conv_id}-r2", "remote_hit")]
+
+
+def test_rotated_and_gzipped_logs_keep_their_order(tmp_path: Path) -> None:
+    import gzip
+
+    lines = (STOCK / "proxy.log").read_bytes().splitlines(keepends=True)
+    (tmp_path / "proxy.log.1").write_bytes(b"".join(lines[:5]))  # older half, rotated
+    (tmp_path / "proxy.log").write_bytes(b"".join(lines[5:]))
+    for name in ("prefill.log", "decode.log"):
+        with gzip.open(tmp_path / f"{name}.gz", "wb") as fh:
+            fh.write((STOCK / name).read_bytes())
+    shutil.copy(STOCK / "client-stats.json", tmp_path)
+    want = {c: _verdicts(c) for c in ("CONV_ID_1", "CONV_ID_2")}
+    for conv_id, verdicts in want.items():
+        assert _verdicts(conv_id, [str(tmp_path / "*")]) == verdicts
+    assert {c.conversation_id: [(t.turn, t.verdict.value, t.confidence.value) for t in c.turns]
+            for c in load_turns([str(tmp_path)]) if c.conversation_id in want} == want

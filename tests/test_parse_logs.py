@@ -143,3 +143,19 @@ def test_prefilter_system_grep_and_python_fallback_agree(tmp_path: Path, monkeyp
     assert [n for n, _ in fast] == [8, 3000] and fast == slow == gz
     assert fixed == py_fixed and [n for n, _ in fixed] == [8, 1501, 3000]
     assert fast[0][1] == lines[7].encode()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=4000), st.sampled_from(["prefill.log", "proxy.log", "ev.jsonl", "stats.json", "x.gz"]))
+def test_fuzz_whole_pipeline_on_garbage_files(tmp_path: Path, data: bytes, name: str) -> None:
+    from kvdiag.diagnostics.explain import UnreadableLogError, load_turns
+
+    real = (Path(__file__).parent / "fixtures" / "logs" / "vllm_real_lines.log").read_bytes()
+    path = tmp_path / name
+    path.write_bytes(data + real[: len(data)] + data[::-1])
+    try:
+        convs = load_turns([str(path)])
+    except UnreadableLogError as exc:  # only a broken .gz may be unreadable, and it is named
+        assert name == "x.gz" and name in str(exc)
+    else:
+        assert all(t.turn >= 1 for c in convs for t in c.turns)

@@ -394,3 +394,36 @@ async def test_spans_for_turn_and_legs_and_ttft_exemplars(tmp_path: Path) -> Non
     assert int(p_parent[2], 16) == by_name["kvdiag.prefill_leg"][1].context.span_id
     assert int(d_parent[2], 16) == by_name["kvdiag.decode_leg"][1].context.span_id
     assert f'trace_id="{TRACE}"' in text and "kvdiag_ttft_seconds_bucket" in text
+
+
+async def test_spans_reach_an_otlp_http_collector(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    received: list[tuple[str, str, int]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", "0"))
+            self.rfile.read(length)
+            received.append((self.path, self.headers.get("Content-Type", ""), length))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path, otlp_endpoint=endpoint) as r:
+            await _post(r.url, _chat("hi"))
+        # Closing the router flushes the batch exporter.
+        assert received and received[0][0] == "/v1/traces" and received[0][1] == "application/x-protobuf"
+        assert received[0][2] > 0
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

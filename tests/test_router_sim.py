@@ -219,26 +219,27 @@ async def test_feature_disabled_on_prefill_and_transfer_failed(tmp_path: Path) -
 
 
 async def test_expired_remote_read_and_router_entry_expired(tmp_path: Path) -> None:
-    # D holds blocks 1.2 s and P declines reads within 0.6 s of D's deadline; the router's TTL is 1.0 s.
-    async with sim_bed(tmp_path, p={"prefix_caching": False, "expiry_safety_margin_s": 0.6},
-                       d={"decoder_kv_blocks_ttl": 1.2},
-                       router={"decoder_kv_blocks_ttl": 1.2, "entry_ttl": 1.0}) as bed:
+    # D holds blocks 1.6 s and P declines reads within 0.9 s of D's deadline; the router's TTL is 1.4 s:
+    # a turn 0.7-1.4 s after the previous one finds a valid router entry that P declines.
+    async with sim_bed(tmp_path, p={"prefix_caching": False, "expiry_safety_margin_s": 0.9},
+                       d={"decoder_kv_blocks_ttl": 1.6},
+                       router={"decoder_kv_blocks_ttl": 1.6, "entry_ttl": 1.4}) as bed:
         m1 = [{"role": "user", "content": LONG}]
         _, reply, _ = await bed.turn(m1, "a")
-        await asyncio.sleep(0.7)  # router entry still valid, D's deadline within P's margin
+        await asyncio.sleep(0.9)  # router entry still valid, D's deadline within P's margin
         status, _, _ = await bed.turn(_next(m1, reply, "next"), "a")
         assert status == 200
         ev = await bed.event(2)
         assert ev["outcome"] == "expired_remote_read" and ev["lookup"] == "hit"
         _, reply, _ = await bed.turn(m1, "b")
-        await asyncio.sleep(1.1)  # past the router's TTL
+        await asyncio.sleep(1.5)  # past the router's TTL
         await bed.turn(_next(m1, reply, "next"), "b")
         ev = await bed.event(4)
-        assert ev["outcome"] == "router_entry_expired" and ev["lookup"] == "expired" and ev["entry_age_s"] >= 1.0
+        assert ev["outcome"] == "router_entry_expired" and ev["lookup"] == "expired" and ev["entry_age_s"] >= 1.4
 
 
 async def test_concurrent_turns_never_double_read(tmp_path: Path) -> None:
-    async with sim_bed(tmp_path, p={"prefix_caching": False}, d={"time_scale": 0.05}) as bed:
+    async with sim_bed(tmp_path, p={"prefix_caching": False}, d={"time_scale": 0.2}) as bed:
         m1 = [{"role": "user", "content": LONG}]
         _, reply, _ = await bed.turn(m1, max_tokens=4)
         m2 = _next(m1, reply, "next")
@@ -273,7 +274,7 @@ async def test_router_restart_loses_memory_state_but_not_redis_state(tmp_path: P
 
 
 async def test_two_replicas_share_redis(tmp_path: Path, redis_url: str) -> None:
-    async with sim_bed(tmp_path, p={"prefix_caching": False}, d={"time_scale": 0.05}, start=False) as bed:
+    async with sim_bed(tmp_path, p={"prefix_caching": False}, d={"time_scale": 0.2}, start=False) as bed:
         a = await bed.start_router(state=redis_url)
         b_config = RouterConfig(prefill=(Upstream("127.0.0.1", bed.ps[0].port),),
                                 decode=(Upstream("127.0.0.1", bed.ds[0].port),), host="127.0.0.1", port=0,

@@ -36,7 +36,8 @@ def _sha(blobs: list[bytes]) -> list[str]:
 
 
 def _nixl(stats: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    keys = ("bytes_transferred", "transfer_duration", "num_kv_expired_reqs", "num_failed_transfers")
+    keys = ("bytes_transferred", "transfer_duration", "num_kv_expired_reqs", "num_failed_transfers",
+            "num_failed_handshakes")
     return {k: [v for s in stats for v in s.get(k, [])] for k in keys}
 
 
@@ -230,8 +231,41 @@ def s6_mismatch_partial(work: Path) -> dict[str, Any]:
     return _mismatch(work, "s6_mismatch_partial", True)
 
 
+def s7_handshake_failed(work: Path) -> dict[str, Any]:
+    """Turn 2 names an engine id D does not have: NIXL's handshake fails (engine ID mismatch)."""
+    pair = Pair(work, "s7_handshake_failed", p_extra=BIDIR, d_extra=BIDIR)
+    history, _p1, d1 = pair.turn1()
+    bad = {**d1.kv_transfer_params, "remote_engine_id": "00000000-dead-beef-0000-000000000000"}
+    p2 = pair.prefill("t2-p", history + list(range(3000, 3030)), bad)
+    pair.record["t2_p_params"] = _jsonable(p2.kv_transfer_params)
+    pair.record["t2_p_finish"] = str(p2.finish_reason)
+    return pair.finish()
+
+
+def s8_observer_error(work: Path) -> dict[str, Any]:
+    """A bug inside the observation: caught, counted, logged; the requests complete unchanged."""
+    from kvdiag.instrumentation import report
+
+    def broken(self: Any, **_: Any) -> Any:
+        raise RuntimeError("injected kvdiag bug")
+
+    original = report.PrefillView.report
+    report.PrefillView.report = broken  # type: ignore[method-assign]
+    try:
+        pair = Pair(work, "s8_observer_error", p_extra=BIDIR, d_extra=BIDIR)
+        _history, _p1, d1 = pair.turn1()
+        pair.record["guard_errors"] = pair.p.connector.kvdiag_guard.errors
+    finally:
+        report.PrefillView.report = original  # type: ignore[method-assign]
+    pair.record["d_finish"] = str(d1.finish_reason)
+    rec = pair.finish()
+    rec["p_emit_errors"] = sum(len(s.get("kvdiag_emit_errors", [])) for s in pair.p.stats)
+    return rec
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
-    f.__name__: f for f in (s1_two_turn, s2_expired, s3_threshold, s4_bidir_off, s5_mismatch, s6_mismatch_partial)
+    f.__name__: f for f in (s1_two_turn, s2_expired, s3_threshold, s4_bidir_off, s5_mismatch, s6_mismatch_partial,
+                            s7_handshake_failed, s8_observer_error)
 }
 
 

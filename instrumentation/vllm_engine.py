@@ -1,0 +1,305 @@
+"""One P or D engine built from vLLM 0.33.0's real parts, driven on CPU (testbed and tests).
+
+Real: vLLM's v1 ``Scheduler``, the connector under test in the SCHEDULER and WORKER roles (so
+kvdiag's ``KVDiagNixlConnector`` with NIXL's UCX agent), CPU KV tensors from
+``allocate_kv_cache``, the ZMQ side channel. Stood in: the model forward (it writes a known
+pattern into the KV blocks: K = position + 1, V[h0] = token id % 2048, V[h1] = writer tag) and
+the sampler (deterministic token ids). The step loop copies EngineCore and
+``KVConnectorModelRunnerMixin`` (vllm-bidir-observed.md "How it is built").
+
+Import this only in a process that may import vLLM (vLLM's CPU platform pins the process to one
+core; callers restore the affinity they had).
+
+Usage::
+
+    eng = Engine("P", write_model_dir(tmp / "opt"), tmp, writer_tag=1, extra={"bidirectional_kv_xfer": True})
+    eng.add("cmpl-1-0", prompt_ids, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    out = eng.run("cmpl-1-0")          # EngineCoreOutput; out.kv_transfer_params is P's handle
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+BLOCK_SIZE = 32          # the CPU attention backend wants a multiple of 32
+NUM_LAYERS = 2
+NUM_HEADS = 12
+HEAD_SIZE = 64
+PAGE_BYTES = 2 * BLOCK_SIZE * NUM_HEADS * HEAD_SIZE * 2   # K and V, fp16: 98,304 bytes per layer per block
+CONNECTOR = "KVDiagNixlConnector"
+CONNECTOR_MODULE = "kvdiag.instrumentation.connector"
+PLAIN_CONNECTOR = "NixlConnector"
+
+_OPT_CONFIG = {
+    "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768, "num_attention_heads": NUM_HEADS,
+    "num_hidden_layers": NUM_LAYERS, "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048,
+    "torch_dtype": "float16", "word_embed_proj_dim": 768, "do_layer_norm_before": True, "pad_token_id": 1,
+    "bos_token_id": 2, "eos_token_id": 2,
+}
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (side channels must not collide)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_model_dir(path: Path) -> Path:
+    """A model directory holding only an OPT-125m-shaped config.json (no weights, no tokenizer)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_OPT_CONFIG))
+    return path
+
+
+def make_vllm_config(model_dir: Path, *, engine_id: str, connector: str = CONNECTOR,
+                     extra: dict[str, Any] | None = None, prefix_caching: bool = False,
+                     served_model_name: str | None = None, kv_load_failure_policy: str = "fail") -> VllmConfig:
+    """A CPU VllmConfig with the NIXL (or kvdiag) connector, kv_both, block size 32."""
+    module = CONNECTOR_MODULE if connector == CONNECTOR else None
+    kv = KVTransferConfig(kv_connector=connector, kv_role="kv_both", kv_buffer_device="cpu", engine_id=engine_id,
+                          kv_connector_module_path=module, kv_connector_extra_config=dict(extra or {}),
+                          kv_load_failure_policy=kv_load_failure_policy)
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=2048,
+                        seed=0, served_model_name=served_model_name)
+    return VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=2048,
+                                         is_encoder_decoder=False),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=kv,
+    )
+
+
+def make_kv_cache_config(num_blocks: int) -> KVCacheConfig:
+    """One full-attention group over two layers, layer-compact (LBNHC) backing allocation."""
+    layers = [f"model.decoder.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_HEADS, head_size=HEAD_SIZE,
+                             dtype=torch.float16)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=page * num_blocks * NUM_LAYERS, layers=layers, layer_stride=page * num_blocks,
+                           block_stride=page)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+_dist_ready = False
+
+
+def init_distributed_once(tmp_dir: Path) -> None:
+    """vLLM's worker needs a (gloo, world size 1) process group; one per process."""
+    global _dist_ready
+    if _dist_ready:
+        return
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"file://{tmp_dir / ('gloo-' + uuid.uuid4().hex)}")
+    initialize_model_parallel(1, 1)
+    _dist_ready = True
+
+
+class Engine:
+    """A P or D engine: real Scheduler + connector (both roles) + CPU KV cache; fake forward/sampler."""
+
+    def __init__(self, name: str, model_dir: Path, work_dir: Path, *, writer_tag: int, num_blocks: int = 128,
+                 extra: dict[str, Any] | None = None, prefix_caching: bool = False, connector: str = CONNECTOR,
+                 with_worker: bool = True, engine_id: str | None = None, served_model_name: str | None = None,
+                 side_channel_port: int | None = None, kv_load_failure_policy: str = "fail") -> None:
+        self.name = name
+        self.writer_tag = writer_tag
+        self.engine_id = engine_id or f"{name}-{uuid.uuid4()}"
+        self.side_channel_port = side_channel_port or free_port()
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        self.vllm_config = make_vllm_config(model_dir, engine_id=self.engine_id, connector=connector, extra=extra,
+                                            prefix_caching=prefix_caching, served_model_name=served_model_name,
+                                            kv_load_failure_policy=kv_load_failure_policy)
+        self.kv_cache_config = make_kv_cache_config(num_blocks)
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.vllm_config.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves on CPU
+        init_none_hash(_hash_fn(self.vllm_config))
+        self.block_hasher = get_request_block_hasher(BLOCK_SIZE, _hash_fn(self.vllm_config), 0)
+        with set_current_vllm_config(self.vllm_config):
+            self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                       structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                       block_size=BLOCK_SIZE, log_stats=True)
+            self.connector = self.scheduler.connector
+            self.worker: Any = None
+            self.kv_caches: dict[str, torch.Tensor] = {}
+            if with_worker:
+                self._start_worker(work_dir)
+        self.finished: dict[str, Any] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.received: dict[str, dict[str, Any]] = {}
+        self.stats: list[dict[str, Any]] = []
+        # The sampler stand-in: a planned reply per request (else a running counter).
+        self.reply_plans: dict[str, list[int]] = {}
+        self.on_output: Any = None   # called with each EngineCoreOutput (the API server's hook)
+        self._next_token = 1000 + 100 * writer_tag
+
+    def _start_worker(self, work_dir: Path) -> None:
+        init_distributed_once(work_dir)
+        self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBNHC)
+        self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
+                                                          self.kv_cache_config)
+        self.worker.register_kv_caches(self.kv_caches)
+        self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.get_handshake_metadata()})
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt: list[int], *, max_tokens: int,
+            kv_transfer_params: dict[str, Any] | None = None) -> Request:
+        """Add a request as the API server would (ignore_eos, deterministic sampler)."""
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        if kv_transfer_params is not None:
+            sp.extra_args = {"kv_transfer_params": dict(kv_transfer_params)}
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                      block_hasher=self.block_hasher)
+        if kv_transfer_params is not None and req.kv_transfer_params is None:
+            req.kv_transfer_params = dict(kv_transfer_params)
+        self.scheduler.add_request(req)
+        return req
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One EngineCore step: schedule, connector worker hooks, fake forward, update."""
+        so = self.scheduler.schedule()
+        kv_out = None
+        if self.worker is not None:
+            self.worker.bind_connector_metadata(so.kv_connector_metadata)
+            self.worker.start_load_kv(None)
+            self._fake_forward(so)
+            results = self.worker.get_transfer_results(so.finished_req_ids)
+            for rid in set(results.finished_recving or ()) - set(results.failed_recving or ()):
+                self._note_received(rid)
+            kv_out = KVConnectorOutput(
+                finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving, invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+                kv_connector_stats=self.worker.get_kv_connector_stats())
+            self.worker.clear_connector_metadata()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]
+            done_prefill = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
+            if done_prefill:
+                plan = self.reply_plans.get(rid)
+                if plan:
+                    sampled.append([plan[req.num_output_tokens % len(plan)]])
+                else:
+                    sampled.append([self._next_token % 50000])
+                    self._next_token += 1
+            else:
+                sampled.append([])
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kv_out)
+        outputs = self.scheduler.update_from_output(so, mro)
+        for eco in outputs.values():
+            for out in eco.outputs:
+                if self.on_output is not None:
+                    self.on_output(out)
+                    continue
+                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    self.finished[out.request_id] = out
+            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+                self.stats.append(eco.scheduler_stats.kv_connector_stats)
+
+    def _note_received(self, rid: str) -> None:
+        """Record the blocks a READ just filled (before any forward touches them)."""
+        req = self.scheduler.requests.get(rid)
+        if req is None:
+            return
+        n = req.num_computed_tokens
+        blocks = list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])[: -(-n // BLOCK_SIZE)]
+        writers: dict[int, int] = {}
+        cache = next(iter(self.kv_caches.values()))
+        for pos in range(n):
+            tag = int(cache[blocks[pos // BLOCK_SIZE]][1, pos % BLOCK_SIZE, HEAD_SIZE].item())
+            writers[tag] = writers.get(tag, 0) + 1
+        self.received[rid] = {"blocks": blocks, "tokens": n, "bytes": self.block_bytes(blocks), "writers": writers}
+
+    def _fake_forward(self, so: Any) -> None:
+        """Write the pattern for every scheduled position (the stand-in for the model forward).
+
+        A layer's block view is [H, N, C] with C = K (64) then V (64).
+        """
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = req.num_computed_tokens - n  # schedule() already advanced it
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            for pos in range(start, start + n):
+                block, slot = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else 0
+                for layer, cache in enumerate(self.kv_caches.values()):
+                    page = cache[block]
+                    page[:, slot, :HEAD_SIZE] = float(pos + 1)
+                    page[0, slot, HEAD_SIZE:] = float(token % 2048)
+                    page[1, slot, HEAD_SIZE:] = float(self.writer_tag)
+                    page[2, slot, HEAD_SIZE:] = float(layer + 1)
+
+    def run(self, request_id: str, max_steps: int = 2000, *, idle_sleep: float = 0.002) -> Any:
+        """Step until ``request_id`` finished; return its EngineCoreOutput."""
+        for _ in range(max_steps):
+            if request_id in self.finished:
+                return self.finished[request_id]
+            self.step()
+            time.sleep(idle_sleep)
+        raise TimeoutError(f"{self.name}: {request_id} did not finish in {max_steps} steps")
+
+    def pump(self, steps: int = 5) -> None:
+        """Keep stepping (a D holding blocks reaps leases and answers notifications)."""
+        for _ in range(steps):
+            self.step()
+
+    def block_bytes(self, block_ids: list[int]) -> list[bytes]:
+        """The raw bytes of each block, all layers (for byte-exact checks)."""
+        return [b"".join(cache[b].contiguous().numpy().tobytes() for cache in self.kv_caches.values())
+                for b in block_ids]
+
+    def shutdown(self) -> None:
+        for part in (self.worker, self.connector):
+            if part is not None:
+                part.shutdown()
+
+
+def _hash_fn(vllm_config: VllmConfig) -> Any:
+    return get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)

@@ -1,0 +1,122 @@
+"""The real-engine testbed: ``kvdiag router`` in front of P and D running vLLM's Scheduler + NIXL on CPU.
+
+P and D are ``python -m kvdiag.instrumentation.engine_vllm prefill|decode`` (one process each: vLLM
+0.33.0's real v1 Scheduler, KVDiagNixlConnector in both roles, NIXL/UCX agents, the ZMQ side
+channel); the router is the real ``kvdiag router`` CLI. A three-turn conversation must read D's
+blocks back on turns 2 and 3 (real NIXL READs) and the router's per-turn events must carry the
+bytes and milliseconds P's connector reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvdiag.schema.events import TurnEvent, read_events
+from kvdiag.sim.tokenizer import generate_text
+
+pytestmark = pytest.mark.vllm
+
+BIN = Path(sys.executable).parent
+BLOCK_BYTES = 2 * 98_304       # one block, both layers of the OPT-shaped CPU model
+
+
+def _wait_ready(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.1)
+    ready: dict[str, Any] = json.loads(path.read_text())
+    return ready
+
+
+@pytest.fixture
+def testbed(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role in ("prefill", "decode"):
+            cmd = [sys.executable, "-m", "kvdiag.instrumentation.engine_vllm", role, "--no-prefix-caching",
+                   "--ready-file", str(tmp_path / f"{role}.json"),
+                   "--events-file", str(tmp_path / f"{role}-events.jsonl"), "--log-file", str(tmp_path / f"{role}.log")]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        p = _wait_ready(tmp_path / "prefill.json", procs)
+        d = _wait_ready(tmp_path / "decode.json", procs)
+        procs.append(subprocess.Popen(
+            [str(BIN / "kvdiag"), "router", "--host", "127.0.0.1", "--port", "0", "--prefiller-hosts", "127.0.0.1",
+             "--prefiller-ports", str(p["port"]), "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(d["port"]),
+             "--events-file", str(tmp_path / "router-events.jsonl"), "--ready-file", str(tmp_path / "router.json")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        router = _wait_ready(tmp_path / "router.json", procs, timeout=30)
+        yield {"dir": tmp_path, "router": f"http://127.0.0.1:{router['port']}", "p": p, "d": d}
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _turn(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]) -> str:
+    body = {"model": "Qwen/Qwen3-32B", "messages": messages, "max_tokens": 40, "stream": True,
+            "conversation_id": "conv-vllm-1"}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        raw = await resp.read()
+    reply = ""
+    for frame in raw.split(b"\n\n"):
+        if frame.startswith(b"data: {"):
+            for choice in json.loads(frame[6:]).get("choices", []):
+                reply += (choice.get("delta") or {}).get("content") or ""
+    assert reply
+    return reply
+
+
+def _events(path: Path, n: int, timeout: float = 10.0) -> list[TurnEvent]:
+    deadline = time.monotonic() + timeout
+    while True:
+        evs = list(read_events(path)) if path.exists() else []
+        if len(evs) >= n or time.monotonic() > deadline:
+            return evs
+        time.sleep(0.05)
+
+
+async def test_three_turns_through_the_router_read_d_blocks_back(testbed: dict[str, Any]) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": generate_text(11, 90)}]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for turn in (1, 2, 3):
+            reply = await _turn(session, testbed["router"], messages)
+            if turn < 3:
+                messages = [*messages, {"role": "assistant", "content": reply},
+                            {"role": "user", "content": generate_text(20 + turn, 12)}]
+    tmp: Path = testbed["dir"]
+    router = _events(tmp / "router-events.jsonl", 3)
+    assert [e.outcome for e in router] == ["first_turn", "remote_hit", "remote_hit"]
+    p_events = {e.engine_request_id: e for e in _events(tmp / "prefill-events.jsonl", 4)
+                if e.event == "prefill_request"}
+    d_events = _events(tmp / "decode-events.jsonl", 6)
+    retained = {e.engine_request_id: e for e in d_events if e.event == "kv_retained"}
+    released = {e.engine_request_id: e.release_reason for e in d_events if e.event == "kv_released"}
+    for ev in router[1:]:
+        p_ev = p_events[ev.engine_request_id]     # what P's connector reported for this turn
+        assert p_ev.outcome == "remote_hit" and p_ev.status == "ok"
+        assert (ev.transfer_bytes, ev.transfer_ms) == (p_ev.transfer_bytes, p_ev.transfer_ms)
+        assert ev.remote_read_tokens == p_ev.remote_read_tokens == p_ev.remote_offered_tokens > 0
+        # a real NIXL READ of every block D held for the previous turn, and D freed them on P's notification
+        held = retained[p_ev.remote_request_id]
+        assert held.retained_blocks == math.ceil(p_ev.remote_offered_tokens / 32)
+        assert p_ev.transfer_bytes == held.retained_blocks * BLOCK_BYTES and p_ev.transfer_ms > 0
+        assert released[p_ev.remote_request_id] == "read"
