@@ -20,6 +20,7 @@ from kvdiag.diagnostics.explain import (
     explain_conversation,
     load_turns,
 )
+from kvdiag.diagnostics.html_timeline import render_conversations_html
 from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024  # a bar only when the run is long enough to need one
@@ -72,8 +73,11 @@ def _progress_fn(console: Console, enabled: bool) -> tuple[Progress | None, Any]
 @click.option("--all", "all_conversations", is_flag=True, help="Every conversation, worst first, with counts.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--no-progress", is_flag=True, help="Never show a progress bar.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, writable=True),
+              help="Also draw the conversation(s) as a swimlane timeline in this self-contained HTML file.")
+@click.option("--decoder-ttl", type=float, help="decoder_kv_blocks_ttl (s) to draw on the timeline.")
 def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversations: bool, as_json: bool,
-            no_progress: bool) -> None:
+            no_progress: bool, html_path: str | None, decoder_ttl: float | None) -> None:
     """Explain KV reuse per turn from client, router/proxy, prefill and decode LOGS (globs, folders, .gz)."""
     if bool(conversation_id) == all_conversations:
         raise click.UsageError("give exactly one of --conversation-id ID or --all")
@@ -99,6 +103,13 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
     if stats.corrupt:
         first = f" (first: {stats.notes[0]})" if stats.notes else ""
         click.echo(f"note: skipped {stats.corrupt} corrupt line(s){first}", err=True)
+    if html_path:
+        try:
+            written = render_conversations_html(convs, html_path, decoder_ttl=decoder_ttl,
+                                                title=f"kvdiag explain: {conversation_id or 'all conversations'}")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {html_path}: {exc}. Pick a writable path.") from None
+        click.echo(f"timeline: {written}", err=True)
     out = Console(width=200) if not sys.stdout.isatty() else Console()
     if conversation_id:
         conv = convs[0]

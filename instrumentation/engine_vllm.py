@@ -384,6 +384,36 @@ async def serve(opts: Options) -> None:
     await runner.cleanup()
 
 
+CPU_MAX_BLOCKS = 2048   # 2,048 x 196,608 B = 384 MiB of KV per engine: plenty for the testbed's prompts
+
+
+def options_from_sim(role: str, opts: dict[str, Any]) -> Options:
+    """Map ``kvdiag sim prefill|decode`` options onto this backend (for ``--engine vllm``).
+
+    The time model, fault injection and stream switches of the emulated engines do not apply: the
+    real engine's behaviour is vLLM's own. ``--block-size`` is fixed at 32 (vLLM's CPU attention)
+    and ``--num-blocks`` is capped at 2,048 (CPU memory).
+    """
+    return Options(role=role, host=opts.get("host", "127.0.0.1"), port=opts.get("port", 0),
+                   side_channel_port=opts.get("side_channel_port", 0), model=opts.get("model", "Qwen/Qwen3-32B"),
+                   engine_id=opts.get("engine_id"), bidirectional=not opts.get("no_bidirectional", False),
+                   kv_recompute_threshold=opts.get("kv_recompute_threshold"),
+                   decoder_kv_blocks_ttl=opts.get("decoder_kv_blocks_ttl", 480.0),
+                   kv_lease_duration=opts.get("kv_lease_duration", 30.0),
+                   prefix_caching=not opts.get("no_prefix_caching", False),
+                   kv_load_failure_policy=opts.get("kv_load_failure_policy", "fail"),
+                   num_blocks=min(int(opts.get("num_blocks") or 512), CPU_MAX_BLOCKS),
+                   events_file=opts.get("events_file"), log_file=opts.get("log_file"),
+                   log_level=str(opts.get("log_level", "INFO")).upper(), ready_file=opts.get("ready_file"))
+
+
+def run(opts: Options) -> None:
+    """Configure vLLM's logging and serve until SIGTERM/SIGINT (the CLI entry for one engine)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    _configure_logging(opts)
+    asyncio.run(serve(opts))
+
+
 def parse_args(argv: list[str]) -> Options:
     """Command-line options (the names of ``kvdiag sim prefill|decode``)."""
     p = argparse.ArgumentParser(prog="python -m kvdiag.instrumentation.engine_vllm", description=__doc__,
@@ -417,10 +447,7 @@ def parse_args(argv: list[str]) -> Options:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    _configure_logging(opts)
-    asyncio.run(serve(opts))
+    run(parse_args(sys.argv[1:] if argv is None else argv))
     return 0
 
 

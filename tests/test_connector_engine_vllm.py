@@ -102,6 +102,12 @@ async def test_three_turns_through_the_router_read_d_blocks_back(testbed: dict[s
             if turn < 3:
                 messages = [*messages, {"role": "assistant", "content": reply},
                             {"role": "user", "content": generate_text(20 + turn, 12)}]
+        async with session.get(f"http://127.0.0.1:{testbed['p']['port']}/metrics") as resp:
+            metrics = (await resp.text()).splitlines()
+    # P's /metrics: vLLM's own KVConnectorProm with the connector's series and vLLM's labels
+    labels = 'engine="0",model_name="Qwen/Qwen3-32B"'
+    assert f'kvdiag_connector_requests_total{{{labels},outcome="remote_hit",role="prefill"}} 2.0' in metrics
+    assert f"vllm:nixl_bytes_transferred_count{{{labels}}} 2.0" in metrics
     tmp: Path = testbed["dir"]
     router = _events(tmp / "router-events.jsonl", 3)
     assert [e.outcome for e in router] == ["first_turn", "remote_hit", "remote_hit"]

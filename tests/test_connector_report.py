@@ -134,3 +134,17 @@ def test_instrumentation_package_and_report_do_not_import_vllm() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'nixl')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_sim_options_map_onto_the_real_engine_backend() -> None:
+    from kvdiag.instrumentation.engine_vllm import CPU_MAX_BLOCKS, options_from_sim, parse_args
+
+    opts = options_from_sim("decode", {"port": 0, "no_bidirectional": True, "no_prefix_caching": True,
+                                       "num_blocks": 16384, "decoder_kv_blocks_ttl": 30.0, "log_level": "debug",
+                                       "events_file": "d.jsonl", "kv_recompute_threshold": 128})
+    assert (opts.role, opts.bidirectional, opts.prefix_caching) == ("decode", False, False)
+    assert (opts.num_blocks, opts.decoder_kv_blocks_ttl, opts.log_level) == (CPU_MAX_BLOCKS, 30.0, "DEBUG")
+    assert (opts.events_file, opts.kv_recompute_threshold) == ("d.jsonl", 128)
+    cli = parse_args(["prefill", "--no-prefix-caching", "--pull-matching-prefix", "--kv-recompute-threshold", "0"])
+    assert (cli.role, cli.prefix_caching, cli.pull_matching_prefix, cli.kv_recompute_threshold) == \
+        ("prefill", False, True, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -153,3 +154,15 @@ def test_rotated_and_gzipped_logs_keep_their_order(tmp_path: Path) -> None:
         assert _verdicts(conv_id, [str(tmp_path / "*")]) == verdicts
     assert {c.conversation_id: [(t.turn, t.verdict.value, t.confidence.value) for t in c.turns]
             for c in load_turns([str(tmp_path)]) if c.conversation_id in want} == want
+
+
+def test_cli_html_timeline_has_one_mark_per_turn(tmp_path: Path) -> None:
+    out = tmp_path / "conv.html"
+    res = CliRunner().invoke(cli, ["explain", "--conversation-id", "CONV_ID_1", "--html", str(out), str(STOCK)])
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    conv = json.loads(CliRunner().invoke(cli, ["explain", "--json", "--conversation-id", "CONV_ID_1",
+                                               str(STOCK)]).output)
+    assert page.count('data-turn="') >= len(conv["turns"]) > 0
+    # Self-contained: nothing is fetched at view time (the SVG namespace URI is not a fetch).
+    assert re.search(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", page) is None
