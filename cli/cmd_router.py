@@ -7,11 +7,6 @@ lists (``--prefiller-hosts a b --prefiller-ports 8100 8101``) and the singular a
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
-import json
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -121,30 +116,13 @@ def _run(coro: Any) -> None:
 
 
 async def _serve(config: RouterConfig, ready_file: Path | None) -> None:
-    from kvdiag.router.app import start_router  # noqa: PLC0415 - keeps `kvdiag --help` fast
+    from kvdiag.router.app import RouterHandle, serve  # noqa: PLC0415 - keeps `kvdiag --help` fast
 
-    handle = await start_router(config)
-    # Everything allocated so far lives for the whole run: move it out of the collector's reach, so a
-    # full collection scans only per-turn garbage (otherwise its pause shows up in the router's p99).
-    gc.collect()
-    gc.freeze()
-    gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(max(gen0, 10_000), gen1, gen2)  # per-turn garbage is acyclic: collect less often
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    if ready_file is not None:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": handle.port, "pid": os.getpid(), "url": handle.url}))
-        tmp.replace(ready_file)
-    click.echo(f"kvdiag router: serving on {handle.url} ({len(config.prefill)} prefill, {len(config.decode)} "
-               f"decode, state {config.state.split('@')[-1]}, entry TTL {config.handle_ttl:g}s)")
-    try:
-        await stop.wait()
-    finally:
-        await handle.close()
+    def announce(handle: RouterHandle) -> None:
+        click.echo(f"kvdiag router: serving on {handle.url} ({len(config.prefill)} prefill, {len(config.decode)} "
+                   f"decode, state {config.state.split('@')[-1]}, entry TTL {config.handle_ttl:g}s)")
+
+    await serve(config, ready_file, on_ready=announce)
 
 
 COMMANDS = (router,)

@@ -56,10 +56,12 @@ def build(config: MixinConfig) -> dashboard.Dashboard:
         .with_panel(timeseries_panel(
             "TTFT p50/p95: reused vs recomputed",
             "Router-observed time to first token, split by whether the turn reused KV (reused=true) "
-            "or recomputed the history (reused=false).",
+            "or recomputed the history (reused=false). The dots are exemplars: the trace id of a turn in "
+            "that bucket (link it to your tracing data source); the router_turn event with that trace_id "
+            "names the conversation for `kvdiag explain LOGS --conversation-id ID`.",
             units.Seconds,
             [Target(q.ttft_quantile(config, 0.5), "p50 reused={{reused}}"),
-             Target(q.ttft_quantile(config, 0.95), "p95 reused={{reused}}")], width=24))
+             Target(q.ttft_quantile(config, 0.95), "p95 reused={{reused}}", exemplar=True)], width=24))
         .with_row(dashboard.Row("Why turns miss"))
         .with_panel(timeseries_panel(
             "Expired-read ratio",

@@ -29,11 +29,16 @@ class Target:
 
     expr: str
     legend: str = "__auto"
+    exemplar: bool = False  # also fetch exemplars (trace ids) of the histogram the query reads
 
 
 def _queries(targets: list[Target]) -> list[prometheus.Dataquery]:
-    return [prometheus.Dataquery().expr(t.expr).legend_format(t.legend).ref_id(string.ascii_uppercase[i])
-            .datasource(DATASOURCE) for i, t in enumerate(targets)]
+    queries = []
+    for i, t in enumerate(targets):
+        query = (prometheus.Dataquery().expr(t.expr).legend_format(t.legend).ref_id(string.ascii_uppercase[i])
+                 .datasource(DATASOURCE))
+        queries.append(query.exemplar(True) if t.exemplar else query)
+    return queries
 
 
 def timeseries_panel(title: str, description: str, unit: str, targets: list[Target], *, width: int = 12,

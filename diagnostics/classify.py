@@ -24,6 +24,10 @@ INFERRED = Confidence.INFERRED
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_DECODE_TTL_S = 480
 FAILED_STATUSES = ("error", "aborted", "disconnected", "timeout", "hung")
+# TurnRecord fields taken from the first event that states them (client, then router, then P).
+_EVENT_NUMBERS = ("ttft_ms", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
+                  "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s", "model",
+                  "failure_type")
 
 
 @dataclass
@@ -110,13 +114,14 @@ class _Turn:
     def _numbers(self) -> None:
         r, f = self.rec, self.f
         events: list[TurnEvent] = [e.event for e in (*f.client_events, *f.router_events, *f.prefill_events)]
+        # Plain dataclasses: their __dict__ is the fields (a direct read beats getattr/setattr per field).
+        mine = r.__dict__
         for e in events:
             r.start_ts = r.start_ts if r.start_ts is not None else e.ts
-            for name in ("ttft_ms", "prompt_tokens", "completion_tokens", "local_hit_tokens",
-                         "remote_offered_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms",
-                         "gap_s", "entry_age_s", "model", "failure_type"):
-                if getattr(r, name) is None and getattr(e, name) is not None:
-                    setattr(r, name, getattr(e, name))
+            theirs = e.__dict__
+            for name in _EVENT_NUMBERS:
+                if mine[name] is None and theirs[name] is not None:
+                    mine[name] = theirs[name]
             if r.remote_tokens is None and e.remote_read_tokens is not None:
                 r.remote_tokens = e.remote_read_tokens
             if e.duration_ms is not None and r.latency_ms is None:

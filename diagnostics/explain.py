@@ -11,7 +11,9 @@ conversation (or its hashed tag), then the lines naming its request ids; only th
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gc
 import json
 import os
 import re
@@ -127,16 +129,25 @@ def load_index(paths: Iterable[str], progress: ProgressFn | None = None) -> LogI
     files = _detect(paths)
     tick = _Progress(sum(f.size for f in files), progress, 1)
     index = LogIndex()
+    engine_logs = [f for f in files if f.fmt == "vllm"]
 
-    def lines_for(f: LogFile) -> Iterator[tuple[int, bytes]]:
-        if f.fmt == "vllm":
-            return grep_lines(f.path, VLLM_KEYWORDS, tick)
-        if f.fmt == "unknown":
-            tick(f.size)
-            return iter(())
-        return read_all_lines(f.path, tick)
+    def prefilter(f: LogFile) -> list[tuple[int, bytes]]:
+        return list(grep_lines(f.path, VLLM_KEYWORDS, tick))
 
-    _load(files, index, lines_for)
+    # The engine logs' keyword prefilter (grep children, mostly) starts first and runs on the other
+    # core while this thread parses the JSON and proxy files; parsing stays in file order.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 4))) as pool:
+        kept = {f.path: pool.submit(prefilter, f) for f in engine_logs}
+
+        def lines_for(f: LogFile) -> Iterator[tuple[int, bytes]]:
+            if f.fmt == "vllm":
+                return iter(kept[f.path].result())
+            if f.fmt == "unknown":
+                tick(f.size)
+                return iter(())
+            return read_all_lines(f.path, tick)
+
+        _load(files, index, lines_for)
     return index
 
 
@@ -159,18 +170,36 @@ def _severity(conv: ConversationRecord) -> tuple[int, int, str]:
     return (-bad, -unknown, conv.conversation_id)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Suspend the cyclic garbage collector while millions of (acyclic) records are built.
+
+    Why: each generation-2 pass walks every live record, and they only grow while logs load; the
+    collector cost a third of ``explain --all`` over 1 GB (BENCHMARKS.md). Nothing here makes cycles
+    that must be freed early; the collector resumes (as it was) on exit, errors included.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def load_turns(paths: Iterable[str], progress: ProgressFn | None = None, *,
                stats: LineStats | None = None) -> list[ConversationRecord]:
     """Every conversation in the logs (globs, .gz, rotated files), turns classified, worst first.
 
     ``stats`` (optional) receives the line counts, corrupt lines skipped included.
     """
-    index = load_index(paths, progress)
-    if stats is not None:
-        stats.merge(index.stats)
-    ctx = Context.from_index(index)
-    convs = [classify(c, index, ctx) for c in correlate(index)]
-    return sorted(convs, key=_severity)
+    with gc_paused():
+        index = load_index(paths, progress)
+        if stats is not None:
+            stats.merge(index.stats)
+        ctx = Context.from_index(index)
+        convs = [classify(c, index, ctx) for c in correlate(index)]
+        return sorted(convs, key=_severity)
 
 
 def explain_conversation(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None = None, *,

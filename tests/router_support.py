@@ -89,6 +89,7 @@ class FakeBackend:
     p_cached_tokens: int = 0
     p_report: dict[str, Any] | None = None
     p_delay: float = 0.0
+    p_malformed: bool = False  # answer HTTP 200 with a body that is not JSON
     d_mode: str = "ok"  # ok, no_key, null_params, error_event, break, malformed, no_done, split, hang, status
     d_status: int = 200
     d_chunks: int = 3
@@ -126,6 +127,8 @@ class FakeBackend:
     async def _prefill(self, rid: str) -> web.Response:
         if self.p_delay:
             await asyncio.sleep(self.p_delay)
+        if self.p_malformed:
+            return web.Response(body=b'{"id": "chatcmpl-x", "choices": [', content_type="application/json")
         if self.p_status != 200:
             return web.json_response({"error": {"message": "boom", "type": "InternalServerError", "code":
                                                 self.p_status}}, status=self.p_status)

@@ -129,6 +129,15 @@ def test_issue_panels_are_present() -> None:
             "Turns in flight", "Client disconnects"} <= health
 
 
+def test_ttft_panel_shows_trace_exemplars() -> None:
+    # The router attaches trace ids to kvdiag_ttft_seconds as exemplars; the panel must ask for them.
+    (panel,) = [p for p in RENDERED["kv-reuse.json"]["panels"] if p["title"] == "TTFT p50/p95: reused vs recomputed"]
+    assert [t.get("exemplar", False) for t in panel["targets"]] == [False, True]
+    assert "kvdiag_ttft_seconds_bucket" in panel["targets"][1]["expr"] and "kvdiag explain" in panel["description"]
+    others = [t for _, p in _panels() if p is not panel for t in p["targets"]]
+    assert not any(t.get("exemplar") for t in others)
+
+
 def test_nixl_panels_warn_about_tp_pooling() -> None:
     for panel in RENDERED["kv-transfer.json"]["panels"]:
         exprs = " ".join(t["expr"] for t in panel.get("targets", []))

@@ -228,6 +228,30 @@ async def test_decode_http_error_is_a_502(tmp_path: Path) -> None:
         assert status == 400 and json.loads(raw)["error"]["message"] == "decode boom"  # client errors pass through
 
 
+async def test_malformed_upstream_json_is_a_clean_502_and_nothing_stored(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path, registry=registry) as r:
+        ps[0].p_malformed = True  # P answers 200 with a truncated JSON body
+        status, raw, _ = await _post(r.url, _chat("hi", conv="p-bad"))
+        err = json.loads(raw)["error"]
+        assert status == 502 and err["code"] == 502 and "not JSON" in err["message"], raw
+        assert registry.get_sample_value("kvdiag_upstream_errors_total", {"leg": "prefill", "kind": "malformed"}) == 1
+        assert not ds[0].requests  # D is never asked after a failed prefill
+        ps[0].p_malformed = False
+        ds[0].d_mode = "malformed"  # a non-streaming D answers 200 with a body that is not JSON
+        status, raw, _ = await _post(r.url, _chat("hi", conv="d-bad", stream=False))
+        err = json.loads(raw)["error"]
+        assert status == 502 and err["code"] == 502 and "not JSON" in err["message"], raw
+        assert registry.get_sample_value("kvdiag_upstream_errors_total", {"leg": "decode", "kind": "malformed"}) == 1
+        ds[0].d_mode = "ok"
+        await _post(r.url, _chat("hi", "hello world", "more", conv="d-bad", stream=False))
+        assert ps[0].requests[-1]["kv_transfer_params"]["remote_engine_id"] is None  # nothing was stored
+        p_bad, d_bad, following = await _events_n(tmp_path, 3)
+        assert p_bad["outcome"] == "request_failed" and p_bad["status"] == "error"
+        assert d_bad["outcome"] == "request_failed" and d_bad["attrs"]["stored"] is False
+        assert following["outcome"] == "metadata_not_returned" and "decode_failed" in following["reason"]
+
+
 async def test_prefill_5xx_retries_another_p_with_fresh_params(tmp_path: Path) -> None:
     async with fake_backends(n_prefill=2) as (ps, ds), router_for(ps, ds, tmp_path) as r:
         await _post(r.url, _chat("hi"))  # turn 1 on P0 (round robin), handle stored
@@ -371,6 +395,10 @@ async def test_spans_for_turn_and_legs_and_ttft_exemplars(tmp_path: Path) -> Non
     async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path, span_exporter=exporter,
                                                        registry=registry) as r:
         await _post(r.url, _chat("hi"), headers={"traceparent": TRACEPARENT})
+        ps[0].p_report = {"v": 1, "engine_request_id": "chatcmpl-x-1", "prompt_tokens": 30, "local_hit_tokens": 0,
+                          "remote_offered_tokens": 28, "remote_read_tokens": 28, "computed_tokens": 2,
+                          "outcome": "remote_hit", "transfer_bytes": 98304, "transfer_ms": 4.5,
+                          "engine_id": "p-engine-1"}
         await _post(r.url, _chat("hi", "x", "y"), headers={"traceparent": TRACEPARENT})
         async with aiohttp.ClientSession() as s, s.get(
                 r.url + "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}) as resp:
@@ -385,7 +413,11 @@ async def test_spans_for_turn_and_legs_and_ttft_exemplars(tmp_path: Path) -> Non
     assert all(format(sp.context.trace_id, "032x") == TRACE for sp in spans)
     turn2 = by_name["kvdiag.turn"][1]
     attrs = dict(turn2.attributes or {})
-    assert attrs["kvdiag.turn"] == 2 and attrs["kvdiag.lookup"] == "hit" and attrs["kvdiag.verdict"] == "unknown"
+    assert attrs["kvdiag.turn"] == 2 and attrs["kvdiag.lookup"] == "hit" and attrs["kvdiag.verdict"] == "remote_hit"
+    # tokens and bytes from P's usage and per-request report
+    assert attrs["gen_ai.usage.prompt_tokens"] == 30
+    assert attrs["kvdiag.transfer_bytes"] == 98304 and attrs["kvdiag.remote_read_tokens"] == 28
+    assert "kvdiag.transfer_bytes" not in dict(by_name["kvdiag.turn"][0].attributes or {})  # turn 1 read nothing
     assert attrs["kvdiag.conversation"] != "conv-1" and len(str(attrs["kvdiag.conversation"])) == 16
     # P and D see the leg spans as their parents, in the client's trace.
     p_parent = ps[0].headers[1]["Traceparent"].split("-")

@@ -19,6 +19,7 @@ from kvdiag.router.security import (
 )
 from kvdiag.router.sse import SSECapture
 from kvdiag.router.store import Claim, Handle, LastTurn
+from kvdiag.router.telemetry import RouterTelemetry
 from kvdiag.router.turns import decide_lookup, prefill_verdict
 from kvdiag.schema.events import PrefillReport
 from kvdiag.schema.verdicts import Verdict
@@ -151,6 +152,16 @@ def test_config_refuses_router_ttl_at_or_above_decoder_ttl() -> None:
         RouterConfig(prefill=ups, decode=ups, state="mysql://x").validate()
     with pytest.raises(ConfigError, match="prefiller"):
         RouterConfig(prefill=(), decode=ups).validate()
+
+
+def test_model_label_is_bounded_so_clients_cannot_mint_series() -> None:
+    # `model` comes from the client's body: a conversation or request id sent there must not become a series.
+    ups = (Upstream("127.0.0.1", 8100),)
+    telemetry = RouterTelemetry(RouterConfig(prefill=ups, decode=ups, max_model_labels=2))
+    assert [telemetry.model_label(m) for m in ("a", "b", "a", "conv-123", "b")] == ["a", "b", "a", "other", "b"]
+    assert telemetry.model_label(None) == telemetry.model_label("") == "unknown"
+    roomy = RouterTelemetry(RouterConfig(prefill=ups, decode=ups))
+    assert roomy.model_label("x" * 129) == "other" and roomy.model_label("Qwen/Qwen3-32B") == "Qwen/Qwen3-32B"
 
 
 # ---------------------------------------------------------------------------------------- lookup verdicts

@@ -227,12 +227,17 @@ async def test_hang_on_recompute_reproduces_waiting_for_remote_kvs(engines: Fact
     assert p.engine.waiting == 0
 
 
-async def test_bidirectional_off_on_p_ignores_handle(engines: Factory, session: aiohttp.ClientSession) -> None:
+async def test_bidirectional_off_on_p_ignores_handle(engines: Factory, session: aiohttp.ClientSession,
+                                                     tmp_path: Path) -> None:
     p = await engines("prefill", prefix_caching=False, bidirectional_kv_xfer=False)
     d = await engines("decode")
     _, t2 = await _two_turns(session, p, d)
     assert t2.report is not None and t2.report["outcome"] == "feature_disabled_on_prefill"
     assert t2.report["remote_read_tokens"] == 0
+    # vLLM's only trace of the switch: P lacks the startup line that D (on) writes.
+    assert "Bidirectional KV transfer is enabled" not in _log(tmp_path, "prefill")
+    assert "Bidirectional KV transfer is enabled" in _log(tmp_path, "decode")
+    assert "Declining expired remote read" not in _log(tmp_path, "prefill")
 
 
 async def test_bidirectional_off_on_d_returns_no_params(engines: Factory, session: aiohttp.ClientSession,
