@@ -64,6 +64,9 @@ def _engine_options(fn: Any) -> Any:
         click.option("--max-tokens-default", type=int, default=16, show_default=True,
                      help="max_tokens when a request gives none."),
         click.option("--expiry-safety-margin", type=float, default=5.0, show_default=True, hidden=True),
+        click.option("--engine", type=click.Choice(("emulated", "vllm")), default="emulated", show_default=True,
+                     help="vllm: vLLM's real Scheduler + instrumented NixlConnector + real NIXL on CPU "
+                          "(needs the vllm extra; `make vllm-env`)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -72,6 +75,9 @@ def _engine_options(fn: Any) -> Any:
 
 def _run(role: str, opts: dict[str, Any]) -> None:
     ready_file = opts.pop("ready_file")
+    if opts.pop("engine") == "vllm":
+        _run_vllm(role, opts, ready_file)
+        return
     try:
         config = EngineConfig(
             role=role, host=opts["host"], port=opts["port"], side_channel_port=opts["side_channel_port"],
@@ -94,6 +100,18 @@ def _run(role: str, opts: dict[str, Any]) -> None:
         asyncio.run(serve(config, ready_file))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {config.host}: {exc}; pick another --port or use 0") from None
+
+
+def _run_vllm(role: str, opts: dict[str, Any], ready_file: str | None) -> None:
+    try:
+        from kvdiag.instrumentation import engine_vllm  # noqa: PLC0415 - imports vLLM, only on request
+    except ImportError as exc:
+        raise click.ClickException(
+            f"--engine vllm needs vLLM + NIXL ({exc}); install them with `make vllm-env` "
+            "(or pip install 'kvdiag[vllm]')") from None
+    options = engine_vllm.options_from_sim(role, opts)
+    options.ready_file = ready_file
+    engine_vllm.run(options)
 
 
 @sim.command("prefill")

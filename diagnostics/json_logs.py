@@ -105,9 +105,9 @@ def fast_event(obj: dict[str, Any]) -> TurnEvent | None:
         return None
     clean: dict[str, Any] = {}
     for key, value in obj.items():
-        if value is None:
-            continue
         kind = _KIND.get(key)
+        if value is None and kind is not None:
+            continue
         tp = type(value)
         if kind == 2:
             if tp is not str:
@@ -128,7 +128,7 @@ def fast_event(obj: dict[str, Any]) -> TurnEvent | None:
         else:
             return None  # unknown field
         clean[key] = value
-    if clean.get("v") != SCHEMA_VERSION:
+    if clean.get("v") != SCHEMA_VERSION or "ts" not in clean:
         return None
     source, event = clean.get("source"), clean.get("event")
     if source not in EVENTS_BY_SOURCE or event not in EVENTS_BY_SOURCE[source]:
@@ -203,6 +203,10 @@ def _record(obj: Any, path: str, lineno: int, text: str, stats: LineStats) -> Ev
         except EventFormatError as exc:
             stats.corrupt += 1
             stats.note(path, lineno, str(exc))
+            return None
+        except (TypeError, KeyError):  # a required field present but null: the schema reader trips on it
+            stats.corrupt += 1
+            stats.note(path, lineno, "a required field (ts, source, event) is null")
             return None
     stat = client_stat_from_dict(obj, path, lineno, text)
     if stat is None:

@@ -54,9 +54,21 @@ class ProxyRecord:
         return f"{self.path}:{self.lineno}"
 
 
+def _lead(regex: re.Pattern[str]) -> str:
+    body = regex.pattern[1:]  # every classifier is anchored ("^")
+    return body[1] if body.startswith("\\") else body[0]
+
+
+# Classifiers by the first character their message must start with ("c"onv=, "[", "R"eady): a line
+# tries the two or three that can match, not all eleven. Order within a group is kept.
+_BY_LEAD: Final[dict[str, list[tuple[str, re.Pattern[str]]]]] = {}
+for _entry in _CLASSIFIERS:
+    _BY_LEAD.setdefault(_lead(_entry[1]), []).append(_entry)
+
+
 def classify_proxy_message(msg: str) -> tuple[str | None, dict[str, Any]]:
     """Return (kind, fields) for a proxy message, or (None, {}) for one kvdiag does not use."""
-    for kind, regex in _CLASSIFIERS:
+    for kind, regex in _BY_LEAD.get(msg[:1], ()):
         m = regex.match(msg)
         if m:
             return kind, {k: v for k, v in m.groupdict().items() if v is not None}

@@ -211,7 +211,9 @@ def parse_vllm_numbered(numbered: Iterable[tuple[int, bytes | str]], path: str =
             stats.note(path, lineno, "invalid UTF-8 or oversized line")
         text = text.rstrip("\n")
         ends_cr = text.endswith("\r")
-        text = ANSI_RE.sub("", text.rstrip("\r"))
+        text = text.rstrip("\r")
+        if "\x1b" in text:  # colours are rare in files; skip the substitution otherwise
+            text = ANSI_RE.sub("", text)
         if not text.strip():
             continued = False
             continue

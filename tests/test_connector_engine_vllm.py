@@ -1,6 +1,6 @@
 """The real-engine testbed: ``kvdiag router`` in front of P and D running vLLM's Scheduler + NIXL on CPU.
 
-P and D are ``python -m kvdiag.instrumentation.engine_vllm prefill|decode`` (one process each: vLLM
+P and D are ``kvdiag sim prefill|decode --engine vllm`` (one process each: vLLM
 0.33.0's real v1 Scheduler, KVDiagNixlConnector in both roles, NIXL/UCX agents, the ZMQ side
 channel); the router is the real ``kvdiag router`` CLI. A three-turn conversation must read D's
 blocks back on turns 2 and 3 (real NIXL READs) and the router's per-turn events must carry the
@@ -44,12 +44,15 @@ def _wait_ready(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float
 @pytest.fixture
 def testbed(tmp_path: Path) -> Iterator[dict[str, Any]]:
     procs: list[subprocess.Popen[bytes]] = []
+    consoles: list[Any] = []
     try:
         for role in ("prefill", "decode"):
-            cmd = [sys.executable, "-m", "kvdiag.instrumentation.engine_vllm", role, "--no-prefix-caching",
+            cmd = [str(BIN / "kvdiag"), "sim", role, "--engine", "vllm", "--no-prefix-caching",
                    "--ready-file", str(tmp_path / f"{role}.json"),
                    "--events-file", str(tmp_path / f"{role}-events.jsonl"), "--log-file", str(tmp_path / f"{role}.log")]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            console = (tmp_path / f"{role}.console.log").open("wb")
+            consoles.append(console)
+            procs.append(subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT))
         p = _wait_ready(tmp_path / "prefill.json", procs)
         d = _wait_ready(tmp_path / "decode.json", procs)
         procs.append(subprocess.Popen(
@@ -68,6 +71,8 @@ def testbed(tmp_path: Path) -> Iterator[dict[str, Any]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for console in consoles:
+            console.close()
 
 
 async def _turn(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]) -> str:

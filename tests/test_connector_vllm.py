@@ -29,8 +29,14 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("vllm-scenarios")
-    proc = subprocess.run([sys.executable, "-m", "vllm_harness.scenarios", str(out)], cwd=TESTS, timeout=400,
-                          capture_output=True, text=True, check=False)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "vllm_harness.scenarios", str(out)], cwd=TESTS, timeout=400,
+                              capture_output=True, text=True, check=False)
+    except subprocess.TimeoutExpired:
+        partial = out / "results.partial.json"
+        done = partial.read_text()[-2000:] if partial.exists() else "-"
+        pytest.fail(f"the scenario process hung; done so far: {done}"
+                    f"\nlog tail:\n{(out / 'engine.log').read_text(errors='replace')[-8000:]}")
     results_file = out / "results.json"
     assert proc.returncode == 0 and results_file.exists(), (proc.stdout[-3000:], proc.stderr[-3000:],
                                                             (out / "engine.log").read_text()[-5000:])

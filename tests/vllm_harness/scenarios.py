@@ -66,14 +66,14 @@ class Pair:
         self.record["ids"][label] = full
         return full
 
-    def both_until(self, done: Callable[[], bool], max_steps: int = 3000) -> None:
-        for _ in range(max_steps):
-            if done():
-                return
+    def both_until(self, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s   # wall clock: a loaded machine slows steps, not this bound
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: did not converge in {timeout_s} s")
             self.p.step()
             self.d.step()
             time.sleep(0.001)
-        raise TimeoutError("scenario did not converge")
 
     def prefill(self, label: str, prompt: list[int], params: dict[str, Any] | None) -> Any:
         rid = self.rid(label)
@@ -270,11 +270,14 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
 
 
 def main(out: Path, names: list[str]) -> int:
+    import faulthandler
+
     from vllm.config import LoggingConfig
     from vllm.logger import configure_logging, set_vllm_process_name
 
     configure_logging(LoggingConfig(log_level="DEBUG"))
     set_vllm_process_name("EngineCore")
+    faulthandler.dump_traceback_later(120, repeat=True)  # a hang leaves every thread's stack in the log
     results: dict[str, Any] = {"block_size": BLOCK_SIZE}
     for name in names or list(SCENARIOS):
         started = time.monotonic()
@@ -283,6 +286,8 @@ def main(out: Path, names: list[str]) -> int:
         except Exception:
             results[name] = {"error": traceback.format_exc()}
         results[name]["seconds"] = round(time.monotonic() - started, 2)
+        # written after every scenario, so a later hang still leaves the earlier results
+        (out / "results.partial.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return 0
 
