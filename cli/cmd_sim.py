@@ -97,9 +97,18 @@ def _run(role: str, opts: dict[str, Any]) -> None:
     if config.events_file and not config.instrumented:
         raise click.ClickException("--events-file needs --mode instrumented (stock mode writes only vLLM's logs)")
     try:
-        asyncio.run(serve(config, ready_file))
+        _run_loop(serve(config, ready_file))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {config.host}: {exc}; pick another --port or use 0") from None
+
+
+def _run_loop(coro: Any) -> None:
+    try:
+        import uvloop  # noqa: PLC0415 - optional speed-up (a dependency on Linux)
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
 
 
 def _run_vllm(role: str, opts: dict[str, Any], ready_file: str | None) -> None:
