@@ -64,6 +64,7 @@ generate: venv
 	$(BIN)/python -m kvdiag.dashboards.build --out dashboards
 	$(BIN)/python -m kvdiag.alerts.build --out alerts/kvdiag-alerts.yaml
 	$(BIN)/python -m kvdiag.schema.docs --out docs/metrics.md
+	$(BIN)/python -m kvdiag.cli.reference --out docs/cli.md
 
 # CI gate (kubernetes-mixin style): regenerating must not change the committed files; then lint the rules.
 check-generated: generate sysdeps

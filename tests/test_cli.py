@@ -44,3 +44,13 @@ def test_public_facade_is_pinned() -> None:
     }
     for name in kvdiag.__all__:
         assert hasattr(kvdiag, name)
+
+
+def test_cli_reference_doc_is_current() -> None:
+    from pathlib import Path
+
+    from kvdiag.cli.reference import render_cli_reference
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+    assert doc.read_text() == render_cli_reference(), (
+        "docs/cli.md is stale: run `.venv/bin/python -m kvdiag.cli.reference --out docs/cli.md`")
