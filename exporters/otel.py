@@ -56,21 +56,6 @@ def trace_id_of(span: Span) -> str | None:
     return format(ctx.trace_id, "032x") if ctx.is_valid else None
 
 
-def trace_id_from_traceparent(value: str | None) -> str | None:
-    """The trace id of a W3C ``traceparent`` header (``00-<32 hex>-<16 hex>-<2 hex>``), if well formed."""
-    if not value:
-        return None
-    parts = value.strip().split("-")
-    if len(parts) != 4 or len(parts[1]) != 32:
-        return None
-    try:
-        if int(parts[1], 16) == 0:
-            return None
-    except ValueError:
-        return None
-    return parts[1].lower()
-
-
 class Tracing:
     """A tracer provider of its own (the global one is left alone) and the router's span helpers."""
 

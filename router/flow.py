@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 from aiohttp import web
 
+from kvdiag.exporters.tracecontext import trace_id_from_traceparent
 from kvdiag.router.config import RouterConfig
 from kvdiag.router.security import (
     PromptPrefix,
@@ -113,7 +114,7 @@ class TurnFlow:
         cancelled = False
         try:
             if self.tracing is None:
-                state.trace_id = _trace_id_from_traceparent(request.headers.get("traceparent"))
+                state.trace_id = trace_id_from_traceparent(request.headers.get("traceparent"))
                 return await self._run(request, turn, path, None)
             with self.tracing.turn_span(request.headers) as span:
                 state.trace_id = self.tracing.trace_id(span)
@@ -663,21 +664,6 @@ def _report_in(payload: dict[str, Any]) -> Any:
         if isinstance(holder, dict) and isinstance(holder.get(REPORT_KEY), dict):
             return holder[REPORT_KEY]
     return None
-
-
-def _trace_id_from_traceparent(value: str | None) -> str | None:
-    """The trace id of a W3C ``traceparent`` (``00-<32 hex>-<16 hex>-<2 hex>``), if well formed."""
-    if not value:
-        return None
-    parts = value.strip().split("-")
-    if len(parts) != 4 or len(parts[1]) != 32:
-        return None
-    try:
-        if int(parts[1], 16) == 0:
-            return None
-    except ValueError:
-        return None
-    return parts[1].lower()
 
 
 def _finish_reason(obj: dict[str, Any]) -> str | None:
