@@ -115,13 +115,15 @@ class _Turn:
         r, f = self.rec, self.f
         events: list[TurnEvent] = [e.event for e in (*f.client_events, *f.router_events, *f.prefill_events)]
         # Plain dataclasses: their __dict__ is the fields (a direct read beats getattr/setattr per field).
-        mine = r.__dict__
+        mine, theirs = r.__dict__, [e.__dict__ for e in events]
+        if events:
+            r.start_ts = events[0].ts
+        for name in _EVENT_NUMBERS:  # the first event stating a field wins
+            for state in theirs:
+                if state[name] is not None:
+                    mine[name] = state[name]
+                    break
         for e in events:
-            r.start_ts = r.start_ts if r.start_ts is not None else e.ts
-            theirs = e.__dict__
-            for name in _EVENT_NUMBERS:
-                if mine[name] is None and theirs[name] is not None:
-                    mine[name] = theirs[name]
             if r.remote_tokens is None and e.remote_read_tokens is not None:
                 r.remote_tokens = e.remote_read_tokens
             if e.duration_ms is not None and r.latency_ms is None:

@@ -253,9 +253,12 @@ def _finish(rec: VllmRecord) -> None:
     rec.kind, rec.fields = kind, fields
 
 
+_SUFFIX_RE: Final = re.compile(r"[0-9a-zA-Z]{8}")
+
+
 def external_id(request_id: str) -> str:
     """vLLM's external id: the internal id without its ``-<8 chars>`` randomisation suffix."""
-    if len(request_id) > 9 and request_id[-9] == "-" and re.fullmatch(r"[0-9a-zA-Z]{8}", request_id[-8:]):
+    if len(request_id) > 9 and request_id[-9] == "-" and _SUFFIX_RE.fullmatch(request_id, len(request_id) - 8):
         return request_id[:-9]
     return request_id
 

@@ -5,6 +5,11 @@ Usage::
     guard = Guard("scheduler")
     with guard:
         record_something()      # any Exception is swallowed, counted in guard.errors, logged
+
+    try:                        # the same on a hot path, without the context-manager calls
+        record_something()
+    except Exception as exc:
+        guard.caught(exc)
 """
 
 from __future__ import annotations
@@ -35,14 +40,23 @@ class Guard:
                  tb: TracebackType | None) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False
+        self.caught(exc)
+        return True
+
+    def caught(self, exc: Exception) -> None:
+        """Count and (rate-limited) log an exception the caller has already swallowed."""
         self.errors += 1
         self._unreported += 1
         now = time.monotonic()
         if now - self._last_log >= _LOG_INTERVAL_S:
             self._last_log = now
             _logger.warning("kvdiag instrumentation error in %s (%d so far); the request is unaffected",
-                            self.where, self.errors, exc_info=(exc_type, exc, tb))  # type: ignore[arg-type]
-        return True
+                            self.where, self.errors, exc_info=exc)
+
+    @property
+    def pending(self) -> int:
+        """Errors counted but not yet taken by ``take_unreported`` (cheap per-step check)."""
+        return self._unreported
 
     def count(self) -> None:
         """Count an error handled elsewhere (e.g. a dropped event)."""

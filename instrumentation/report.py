@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -133,14 +134,15 @@ DIGEST_BYTES: Final = 4          # bytes kept per checkpoint (hex: 8 chars)
 MAX_CHECKPOINTS: Final = 256     # bounds the params size whatever the sequence length
 
 
-def make_digest(block_hashes: list[bytes], block_size: int) -> dict[str, Any]:
-    """A compact digest of chained block hashes: a short prefix of every ``stride``-th hash.
+def make_digest(block_hashes: Sequence[bytes], block_size: int, count: int | None = None) -> dict[str, Any]:
+    """A compact digest of the first ``count`` (default: all) chained block hashes: a short
+    prefix of every ``stride``-th hash.
 
     vLLM's block hashes chain the parent's hash, so equal hashes at block ``i`` mean equal
     tokens in blocks ``0..i``; a checkpoint every ``stride`` blocks bounds the first divergence
-    to one stride.
+    to one stride. Only the checkpoint hashes are touched (no copy of the list).
     """
-    n = len(block_hashes)
+    n = len(block_hashes) if count is None else max(0, min(count, len(block_hashes)))
     stride = max(1, -(-n // MAX_CHECKPOINTS))
     checkpoints = [bytes(block_hashes[i])[:DIGEST_BYTES].hex() for i in range(stride - 1, n, stride)]
     return {"block_size": block_size, "stride": stride, "blocks": n, "h": checkpoints}
@@ -167,7 +169,7 @@ def _parse_digest(obj: Any) -> tuple[int, int, int, list[str]]:
     return block_size, stride, blocks, hashes
 
 
-def first_mismatch(digest: Any, prompt_hashes: list[bytes], block_size: int) -> tuple[int | None, int]:
+def first_mismatch(digest: Any, prompt_hashes: Sequence[bytes], block_size: int) -> tuple[int | None, int]:
     """Compare D's digest with P's prompt block hashes.
 
     Returns ``(first_diverging_block or None, matching_blocks)``: the first block (0-based) that is
