@@ -73,6 +73,8 @@ class ClientStat:
 
 def _num(obj: dict[str, Any], key: str) -> float | None:
     value = obj.get(key)
+    if type(value) is float or type(value) is int:  # the JSON decoder's own types: skip the slower checks
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
@@ -204,9 +206,9 @@ def _record(obj: Any, path: str, lineno: int, text: str, stats: LineStats) -> Ev
             stats.corrupt += 1
             stats.note(path, lineno, str(exc))
             return None
-        except (TypeError, KeyError):  # a required field present but null: the schema reader trips on it
+        except (TypeError, KeyError, OverflowError):  # a null required field, or an int too big for a float
             stats.corrupt += 1
-            stats.note(path, lineno, "a required field (ts, source, event) is null")
+            stats.note(path, lineno, "a required field (ts, source, event) is null, or a number is out of range")
             return None
     stat = client_stat_from_dict(obj, path, lineno, text)
     if stat is None:

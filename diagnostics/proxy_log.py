@@ -56,7 +56,11 @@ class ProxyRecord:
 
 def _lead(regex: re.Pattern[str]) -> str:
     body = regex.pattern[1:]  # every classifier is anchored ("^")
-    return body[1] if body.startswith("\\") else body[0]
+    escaped = body.startswith("\\")
+    lead = body[1] if escaped else body[0]
+    if not (lead in "[]()" if escaped else lead.isalnum()):  # a class (\d, .) is no literal
+        raise ValueError(f"proxy classifier {regex.pattern!r} must start with a literal character (dispatch key)")
+    return lead
 
 
 # Classifiers by the first character their message must start with ("c"onv=, "[", "R"eady): a line
