@@ -12,14 +12,14 @@ from typing import Any, Final
 
 from kvdiag.diagnostics.linestats import LineStats, decode_line
 from kvdiag.schema.events import (
-    _FLOAT_FIELDS,
-    _INT_FIELDS,
-    _NON_NEGATIVE,
-    _STR_FIELDS,
     EVENTS_BY_SOURCE,
+    FLOAT_FIELDS,
+    INT_FIELDS,
+    NON_NEGATIVE,
     RELEASE_REASONS,
     SCHEMA_VERSION,
     STATUSES,
+    STR_FIELDS,
     EventFormatError,
     TurnEvent,
     event_from_dict,
@@ -88,7 +88,7 @@ def _int(obj: dict[str, Any], key: str) -> int | None:
 # The schema's own field classes (schema/events.py), so the fast path below accepts exactly what
 # event_from_dict accepts: 0 int, 1 float, 2 str, 3 attrs object.
 _KIND: Final[dict[str, int]] = {
-    **dict.fromkeys(_INT_FIELDS, 0), **dict.fromkeys(_FLOAT_FIELDS, 1), **dict.fromkeys(_STR_FIELDS, 2), "attrs": 3}
+    **dict.fromkeys(INT_FIELDS, 0), **dict.fromkeys(FLOAT_FIELDS, 1), **dict.fromkeys(STR_FIELDS, 2), "attrs": 3}
 _DEFAULTS: Final[dict[str, Any]] = {f.name: f.default for f in fields(TurnEvent) if f.default is not MISSING}
 _OUTCOMES: Final = frozenset(v.value for v in Verdict)
 _STATUSES: Final = frozenset(STATUSES)
@@ -115,14 +115,14 @@ def fast_event(obj: dict[str, Any]) -> TurnEvent | None:
             if tp is not str:
                 return None
         elif kind == 0:
-            if tp is not int or (value < 0 and key in _NON_NEGATIVE):
+            if tp is not int or (value < 0 and key in NON_NEGATIVE):
                 return None
         elif kind == 1:
             if tp is int:
                 value = float(value)
             elif tp is not float or not math.isfinite(value):
                 return None
-            if value < 0 and key in _NON_NEGATIVE:
+            if value < 0 and key in NON_NEGATIVE:
                 return None
         elif kind == 3:
             if tp is not dict:

@@ -137,39 +137,39 @@ class TurnEvent:
 
 
 _FIELD_TYPES: Final[dict[str, tuple[type, ...]]] = {}
-_INT_FIELDS: Final = frozenset({
+INT_FIELDS: Final = frozenset({
     "v", "turn", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
     "remote_read_tokens", "computed_tokens", "transfer_bytes", "retained_blocks", "http_status",
 })
-_FLOAT_FIELDS: Final = frozenset({
+FLOAT_FIELDS: Final = frozenset({
     "ts", "transfer_ms", "ttft_ms", "duration_ms", "prefill_ms", "decode_ms", "router_overhead_ms",
     "entry_age_s", "gap_s", "expiry_ts", "ttl_s",
 })
-_STR_FIELDS: Final = frozenset({
+STR_FIELDS: Final = frozenset({
     "source", "event", "conversation_id", "request_id", "engine_request_id", "engine_id", "tenant",
     "model", "lookup", "remote_engine_id", "remote_request_id", "release_reason", "outcome", "reason",
     "failure_type", "status", "trace_id",
 })
 FIELD_NAMES: Final = tuple(f.name for f in fields(TurnEvent))
 _REQUIRED: Final = ("v", "ts", "source", "event")
-_NON_NEGATIVE: Final = _INT_FIELDS | (_FLOAT_FIELDS - {"ts", "expiry_ts"})
+NON_NEGATIVE: Final = INT_FIELDS | (FLOAT_FIELDS - {"ts", "expiry_ts"})
 
 
 def _check_value(key: str, value: Any) -> Any:
-    if key in _INT_FIELDS:
+    if key in INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise EventFormatError(f"expected an integer, got {value!r}", field_name=key)
-    elif key in _FLOAT_FIELDS:
+    elif key in FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise EventFormatError(f"expected a finite number, got {value!r}", field_name=key)
         value = float(value)
-    elif key in _STR_FIELDS:
+    elif key in STR_FIELDS:
         if not isinstance(value, str):
             raise EventFormatError(f"expected a string, got {value!r}", field_name=key)
     elif key == "attrs":
         if not isinstance(value, dict):
             raise EventFormatError(f"expected an object, got {value!r}", field_name=key)
-    if key in _NON_NEGATIVE and value < 0:
+    if key in NON_NEGATIVE and value < 0:
         raise EventFormatError(f"must not be negative, got {value!r}", field_name=key)
     return value
 
