@@ -43,8 +43,10 @@ def _fake_handle(i: int, tokens: int) -> dict[str, Any]:
 class Driver:
     """One engine (one connector class) and its copy of the workload, stepped on demand."""
 
-    def __init__(self, connector: str, requests: int, work: Path) -> None:
-        extra = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 64}
+    def __init__(self, connector: str, requests: int, work: Path, events: bool = False) -> None:
+        extra: dict[str, Any] = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 64}
+        if events and connector == CONNECTOR:
+            extra["kvdiag_events_file"] = str(work / "events.jsonl")
         self.eng = Engine("B", write_model_dir(work / "opt"), work, writer_tag=1, num_blocks=4096, extra=extra,
                           prefix_caching=True, connector=connector, with_worker=False)
         os.sched_setaffinity(0, _AFFINITY)
@@ -54,7 +56,8 @@ class Driver:
         self.recv_reported: set[str] = set()
         self.send_next: set[str] = set()
         self.held: list[str] = []
-        self.step_times: list[float] = []
+        self.step_times: list[float] = []   # wall clock (perf_counter)
+        self.step_cpu: list[float] = []     # this thread's CPU time: blind to preemption by other processes
 
     @property
     def done(self) -> bool:
@@ -74,7 +77,7 @@ class Driver:
                 params = {"do_remote_prefill": True, "do_remote_decode": False, **_fake_handle(i, PROMPT)}
                 self.eng.add(f"d-{i}", prompt, max_tokens=DECODE, kv_transfer_params=params)
             self.added += 1
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         so = sched.schedule()
         req_ids = list(so.num_scheduled_tokens)
         kv_out = KVConnectorOutput(finished_sending=set(self.send_next), finished_recving=set(self.recv_next))
@@ -82,6 +85,7 @@ class Driver:
                                 sampled_token_ids=[[11] for _ in req_ids], kv_connector_output=kv_out)
         outputs = sched.update_from_output(so, mro)
         self.step_times.append(time.perf_counter() - t0)
+        self.step_cpu.append(time.thread_time() - c0)
         # What the worker would report next step: reads done for waiting requests (once), blocks sent.
         self.recv_next = {rid for rid, r in sched.requests.items()
                           if r.status.name == "WAITING_FOR_REMOTE_KVS" and rid not in self.recv_reported}
@@ -96,10 +100,15 @@ class Driver:
                         self.held.append(out.request_id)
 
 
-def run_pair(requests: int, work: Path) -> dict[str, list[float]]:
+def run_pair(requests: int, work: Path, freeze: bool = True,
+             events: bool = False) -> dict[str, dict[str, list[float]]]:
     """Both connectors in lockstep, step for step (alternating who goes first): the machine's load
     hits both sides of each comparison alike."""
-    plain, kvdiag = Driver(PLAIN_CONNECTOR, requests, work), Driver(CONNECTOR, requests, work)
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    plain, kvdiag = Driver(PLAIN_CONNECTOR, requests, work), Driver(CONNECTOR, requests, work, events)
+    if freeze:
+        freeze_gc_heap()   # as vLLM's EngineCore does after init: static objects leave the GC's scans
     for n in range(requests * 100):   # bounded: a stuck workload fails loudly instead of spinning
         if plain.done and kvdiag.done:
             break
@@ -110,42 +119,72 @@ def run_pair(requests: int, work: Path) -> dict[str, list[float]]:
         raise RuntimeError(f"only {plain.finished}/{kvdiag.finished} of {requests} requests finished")
     plain.eng.shutdown()
     kvdiag.eng.shutdown()
-    return {PLAIN_CONNECTOR: plain.step_times, CONNECTOR: kvdiag.step_times}
+    return {"wall": {PLAIN_CONNECTOR: plain.step_times, CONNECTOR: kvdiag.step_times},
+            "cpu": {PLAIN_CONNECTOR: plain.step_cpu, CONNECTOR: kvdiag.step_cpu}}
+
+
+def _figures(rounds: list[dict[str, list[float]]], requests: int, steps: int,
+             forward_ms: list[float]) -> dict[str, Any]:
+    """Overhead figures from per-step times of both connectors, round by round (one clock)."""
+    ratios: list[float] = []
+    means: dict[str, list[float]] = {PLAIN_CONNECTOR: [], CONNECTOR: []}
+    for times in rounds:
+        # step i of both runs did the same work: compare them pairwise
+        ratios.extend(k / p for p, k in zip(times[PLAIN_CONNECTOR], times[CONNECTOR], strict=False) if p > 0)
+        for name, ts in times.items():
+            means[name].append(sum(ts) / len(ts))
+    plain, kvdiag = statistics.median(means[PLAIN_CONNECTOR]), statistics.median(means[CONNECTOR])
+    # Absolute cost per step: the median over rounds of the round's mean difference. (The median of the
+    # pairwise differences would understate it: most steps finish no request, where the per-request
+    # hooks do not run.)
+    added = statistics.median(k - p for p, k in zip(means[PLAIN_CONNECTOR], means[CONNECTOR], strict=True))
+    return {"plain_step_ms": round(plain * 1e3, 4), "kvdiag_step_ms": round(kvdiag * 1e3, 4),
+            "overhead_pct_of_means": round((kvdiag / plain - 1.0) * 100.0, 2),
+            "overhead_pct_median_pairwise": round((statistics.median(ratios) - 1.0) * 100.0, 2),
+            "added_us_per_step": round(added * 1e6, 2),
+            "per_request_us": round(added * steps / requests * 1e6, 2),
+            # the same absolute cost against a step that also runs the model forward
+            "pct_of_step_with_forward_ms": {f"{ms:g}": round(added / (plain + ms / 1e3) * 100.0, 3)
+                                            for ms in forward_ms},
+            "per_round_ms": {k: [round(v * 1e3, 4) for v in vs] for k, vs in means.items()}}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--forward-ms", type=float, nargs="+", default=[4.0, 90.0],
+                        help="assumed model-forward time(s) of a real step, for the share-of-step figure")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="skip vLLM's post-init gc freeze (freeze_gc_heap), which EngineCore does")
+    parser.add_argument("--events", action="store_true",
+                        help="give the kvdiag connector an events file (JSON is written on the sink's thread)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvdiag-connector-bench-"))
-    run_pair(20, work)   # warm-up: imports, first-call caches
-    totals: dict[str, list[float]] = {PLAIN_CONNECTOR: [], CONNECTOR: []}
-    ratios: list[float] = []
-    steps = 0
-    for _ in range(args.rounds):
-        times = run_pair(args.requests, work)
-        steps = len(times[CONNECTOR])
-        # step i of both runs did the same work: compare them pairwise
-        ratios.extend(k / p for p, k in zip(times[PLAIN_CONNECTOR], times[CONNECTOR], strict=False) if p > 0)
-        for name, ts in times.items():
-            totals[name].append(sum(ts) / len(ts))
-    plain, kvdiag = statistics.median(totals[PLAIN_CONNECTOR]), statistics.median(totals[CONNECTOR])
-    summary = {"requests": args.requests, "rounds": args.rounds, "steps_per_round": steps,
-               "plain_step_ms": round(plain * 1e3, 4), "kvdiag_step_ms": round(kvdiag * 1e3, 4),
-               "overhead_pct_of_means": round((kvdiag / plain - 1.0) * 100.0, 2),
-               "overhead_pct_median_pairwise": round((statistics.median(ratios) - 1.0) * 100.0, 2),
-               "per_request_us": round((kvdiag - plain) * steps / args.requests * 1e6, 1),
-               "per_round_ms": {k: [round(v * 1e3, 4) for v in vs] for k, vs in totals.items()}}
+    freeze = not args.no_gc_freeze
+    run_pair(20, work, freeze, args.events)   # warm-up: imports, first-call caches
+    rounds = [run_pair(args.requests, work, freeze, args.events) for _ in range(args.rounds)]
+    steps = len(rounds[-1]["wall"][CONNECTOR])
+    summary: dict[str, Any] = {"requests": args.requests, "rounds": args.rounds, "steps_per_round": steps,
+                               "gc_freeze": freeze, "events": args.events, "forward_ms": args.forward_ms}
+    for clock in ("cpu", "wall"):
+        summary[clock] = _figures([r[clock] for r in rounds], args.requests, steps, args.forward_ms)
     if args.json:
         print(json.dumps(summary))
-    else:
-        print(f"requests={args.requests} rounds={args.rounds} steps/round={steps}")
-        print(f"NixlConnector        mean step {summary['plain_step_ms']:.4f} ms (median of rounds)")
-        print(f"KVDiagNixlConnector  mean step {summary['kvdiag_step_ms']:.4f} ms (median of rounds)")
-        print(f"overhead {summary['overhead_pct_median_pairwise']:+.2f}% of step time (median of pairwise step "
-              f"ratios), {summary['per_request_us']} us per request")
+        return 0
+    print(f"requests={args.requests} rounds={args.rounds} steps/round={steps} gc_freeze={freeze} "
+          f"events={args.events}")
+    for clock, label in (("cpu", "thread CPU time"), ("wall", "wall clock")):
+        f = summary[clock]
+        print(f"[{label}] NixlConnector {f['plain_step_ms']:.4f} ms/step, KVDiagNixlConnector "
+              f"{f['kvdiag_step_ms']:.4f} ms/step (medians of round means)")
+        print(f"  bare scheduler step: {f['overhead_pct_median_pairwise']:+.2f}% (median of pairwise ratios), "
+              f"{f['overhead_pct_of_means']:+.2f}% (ratio of means); added {f['added_us_per_step']} us per step, "
+              f"{f['per_request_us']} us per request")
+        for ms, pct in f["pct_of_step_with_forward_ms"].items():
+            print(f"  share of a step with a {ms} ms model forward: {pct:.3f}% (target <= 1%: "
+                  f"{'met' if pct <= 1.0 else 'NOT met'})")
     return 0
 
 

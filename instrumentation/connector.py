@@ -25,8 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from vllm.config import VllmConfig
@@ -37,20 +36,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.v1.request import RequestStatus
 
 from kvdiag.diagnostics.vllm_log import header_request_id
-from kvdiag.exporters.jsonl import EventSink
 from kvdiag.instrumentation.guard import Guard
 from kvdiag.instrumentation.report import DIGEST_KEY, DigestError, PrefillView, first_mismatch, make_digest
+from kvdiag.instrumentation.sink import FieldsEventSink
 from kvdiag.instrumentation.stats import KVDiagNixlStats, KVDiagPromMetrics
 from kvdiag.instrumentation.worker import ObservedPullWorker
-from kvdiag.schema.events import REPORT_FIELDS, REPORT_KEY, TurnEvent, now_ts
+from kvdiag.schema.events import REPORT_KEY, now_ts
 
 _logger = logging.getLogger(__name__)
+# Under vLLM's logger tree, so inside an engine the line lands in vLLM's log with its format.
+_vllm_logger = logging.getLogger("vllm.kvdiag")
 
 EVENTS_FILE_ENV: Final = "KVDIAG_EVENTS_FILE"
 MAX_TRACKED: Final = 65_536          # requests in flight we keep facts for (oldest dropped beyond)
 STATS_INTERVAL_S: Final = 0.25       # scheduler-side counters ship to the API server at most this often
-_HANDLE_KEYS: Final = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 _OK_STATUSES: Final = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+_DECODE_ROW: Final = ("decode", "unknown")   # kvdiag_requests row of a D request (outcomes are P's)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class KVDiagConfig:
                    pull_matching_prefix=flags["kvdiag_pull_matching_prefix"], role=role)
 
 
-@dataclass
+@dataclass(slots=True)
 class _DecodeView:
     """Facts D gathers for one request it decodes (P->D read, then retention)."""
 
@@ -102,22 +103,16 @@ class _DecodeView:
     transfer_ms: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
-    role: str
-    arrival: float
+    """One request in flight: ids and ints only; strings and events are built at finish."""
+
+    arrival: float                      # time.monotonic(), taken only when events are written
     prefill: PrefillView | None = None
     decode: _DecodeView | None = None
-    status: str | None = None
+    status: str | None = None           # "ok" / "aborted" / "error", set at finish
+    finish_status: Any = None           # vLLM's RequestStatus at finish (rendered only for events)
     completion_tokens: int | None = None
-    attrs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Retained:
-    since: float
-    blocks: int
-    ttl_s: float
 
 
 def _status_of(status: Any) -> str:
@@ -127,7 +122,14 @@ def _status_of(status: Any) -> str:
 
 
 class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
-    """NixlConnector (pull) that observes every request; see the module docstring."""
+    """NixlConnector (pull) that observes every request; see the module docstring.
+
+    Cost model (BENCHMARKS.md): the per-step hooks (``update_connector_output``,
+    ``get_kv_connector_stats``) return after a few attribute reads when nothing changed; the
+    per-request hooks record ids and ints; the report and digest are built once, at finish; events
+    are queued as (builder, ids, ints) and built on the sink's thread. Each hook guards its
+    observation with a plain try/except (no context manager per call).
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any) -> None:
         # Same construction as NixlPullConnector, with the observing worker in the WORKER role.
@@ -135,21 +137,32 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         assert vllm_config.kv_transfer_config is not None
         self.kvdiag_config = KVDiagConfig.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.kvdiag_guard = Guard("connector")
-        self._kvdiag_sink: EventSink | None = None
+        self._kvdiag_sink: FieldsEventSink | None = None
         self._kvdiag_stats = KVDiagNixlStats()
-        self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
-        self._pending: OrderedDict[str, _Tracked] = OrderedDict()
-        self._retained: OrderedDict[str, _Retained] = OrderedDict()
+        self._stats_dirty = False          # something was counted since the last shipment
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: dict[str, _Tracked] = {}
+        self._retained: dict[str, tuple[float, int]] = {}   # req_id -> (monotonic since, blocks)
         self._retained_reported = 0
         self._stats_shipped = 0.0
         self._model = str(getattr(vllm_config.model_config, "served_model_name", None) or "") or None
+        # NixlConnector fixes these at construction; read once instead of per hook.
+        self._bidir = False
+        self._threshold = 0
+        self._bs = 1
+        self._ttl = 0.0
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
+            sched = self.connector_scheduler
+            self._bidir = bool(sched.is_bidirectional_kv_xfer_enabled)
+            self._threshold = int(sched.kv_recompute_threshold)
+            self._bs = int(sched.block_size)
+            self._ttl = float(sched.decoder_kv_blocks_ttl)
             if self.kvdiag_config.events_file:
-                self._kvdiag_sink = EventSink(self.kvdiag_config.events_file,
-                                              max_queue=self.kvdiag_config.sink_capacity,
-                                              on_error=self._count_sink_error)
+                self._kvdiag_sink = FieldsEventSink(self.kvdiag_config.events_file,
+                                                    max_queue=self.kvdiag_config.sink_capacity,
+                                                    on_error=self._count_sink_error)
             with self.kvdiag_guard:
                 self._engine_start(vllm_config)
         elif role == KVConnectorRole.WORKER:
@@ -159,12 +172,12 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
 
     def _engine_start(self, vllm_config: VllmConfig) -> None:
         kv = vllm_config.kv_transfer_config
-        sched = self._sched
+        sched = self.connector_scheduler
         attrs = {"pid": os.getpid(), "side_channel_port": int(sched.side_channel_port),
-                 "block_size": int(sched.block_size), "num_blocks": vllm_config.cache_config.num_gpu_blocks,
-                 "bidirectional_kv_xfer": self._bidirectional,
-                 "kv_recompute_threshold": int(sched.kv_recompute_threshold),
-                 "decoder_kv_blocks_ttl": float(sched.decoder_kv_blocks_ttl),
+                 "block_size": self._bs, "num_blocks": vllm_config.cache_config.num_gpu_blocks,
+                 "bidirectional_kv_xfer": self._bidir,
+                 "kv_recompute_threshold": self._threshold,
+                 "decoder_kv_blocks_ttl": self._ttl,
                  "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
                  "kv_load_failure_policy": str(getattr(kv, "kv_load_failure_policy", "fail")),
                  "connector": type(self).__name__}
@@ -177,64 +190,110 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
-        with self.kvdiag_guard:
-            self._track(request)
+        try:
+            params = request.kv_transfer_params
+            if params:   # a plain request (no P/D handle): nothing to observe
+                self._track(request, params)
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        with self.kvdiag_guard:
-            self._on_matched(request, num_computed_tokens, result)
+        try:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:
+                self._on_matched(tracked, num_computed_tokens, result)
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
         return result
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        pulling_from_d = False
-        with self.kvdiag_guard:  # read before vLLM marks the handle processed
-            params = request.kv_transfer_params or {}
-            pulling_from_d = bool(params.get("do_remote_decode") and params.get("remote_block_ids")
-                                  and not params.get("_remote_blocks_processed"))
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
-        with self.kvdiag_guard:
+        tracked = None
+        pulling_from_d = never_posted = False
+        try:
             tracked = self._tracked.get(request.request_id)
-            if tracked is not None and tracked.prefill is not None and pulling_from_d and num_external_tokens > 0 \
-                    and self._bidirectional:
-                tracked.prefill.read_started(num_external_tokens)
-            elif tracked is not None and tracked.decode is not None and num_external_tokens > 0:
+            if tracked is not None and tracked.prefill is not None and num_external_tokens > 0 and self._bidir:
+                # read before vLLM marks the handle processed
+                params = request.kv_transfer_params or {}
+                if params.get("do_remote_decode") and params.get("remote_block_ids"):
+                    pulling_from_d = not params.get("_remote_blocks_processed")
+                    # vLLM 0.33 re-matches a processed handle (after a failed or declined read under
+                    # kv_load_failure_policy=recompute) but posts no read for it: the request would wait
+                    # in WAITING_FOR_REMOTE_KVS forever (vllm-bidir-observed.md F1).
+                    never_posted = not pulling_from_d and not self.connector_scheduler.use_host_buffer
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if tracked is None or num_external_tokens <= 0:
+            return
+        try:
+            if tracked.prefill is not None:
+                if pulling_from_d:
+                    tracked.prefill.read_started(num_external_tokens)
+                elif never_posted:
+                    self._on_never_posted(request, tracked, num_external_tokens)
+            elif tracked.decode is not None:
                 tracked.decode.remote_read_tokens = num_external_tokens
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
-        with self.kvdiag_guard:
-            self._on_connector_output(connector_output)
+        out = connector_output
+        # Per step: return at once unless the worker reported something or an event is held back.
+        if out.kv_connector_stats is None and not out.finished_recving and not out.finished_sending \
+                and not getattr(out, "failed_recving", None) and not self._pending:
+            return
+        try:
+            self._on_connector_output(out)
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
-        with self.kvdiag_guard:
-            params = self._on_finished(request, (block_ids,), delay, params)
+        try:
+            tracked = self._tracked.pop(request.request_id, None)
+            if tracked is not None:
+                params = self._on_finished(request, tracked, delay, params)
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
         return delay, params
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
-        with self.kvdiag_guard:
-            params = self._on_finished(request, block_ids, delay, params)
+        try:
+            tracked = self._tracked.pop(request.request_id, None)
+            if tracked is not None:
+                params = self._on_finished(request, tracked, delay, params)
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
         return delay, params
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.connector_worker is not None:
             worker_stats: KVConnectorStats | None = super().get_kv_connector_stats()
             return worker_stats
-        with self.kvdiag_guard:
+        # Every step: nothing to ship unless something was counted, retention changed or an error occurred.
+        if not self._stats_dirty and len(self._retained) == self._retained_reported and not self.kvdiag_guard.pending:
+            return None
+        try:
             return self._scheduler_stats()
+        except Exception as exc:
+            self.kvdiag_guard.caught(exc)
         return None
 
     def _scheduler_stats(self) -> KVConnectorStats | None:
+        # Called every step: a few int compares unless something was counted.
+        data = self._kvdiag_stats.data
         if len(self._retained) != self._retained_reported:
             self._retained_reported = len(self._retained)
-            self._kvdiag_stats.data["kvdiag_retained"].append(self._retained_reported)
-        errors = self.kvdiag_guard.take_unreported()
-        if errors:
-            self._kvdiag_stats.data["kvdiag_emit_errors"].extend([1] * errors)
-        if self._kvdiag_stats.is_empty():
+            data["kvdiag_retained"].append(self._retained_reported)
+            self._stats_dirty = True
+        if self.kvdiag_guard.pending:
+            data["kvdiag_emit_errors"].extend([1] * self.kvdiag_guard.take_unreported())
+            self._stats_dirty = True
+        if not self._stats_dirty:
             return None
         # Counters ship at most every STATS_INTERVAL_S while requests are in flight (Prometheus needs no
         # per-step granularity; each shipment costs vLLM an aggregate and a payload), at once when idle.
@@ -242,6 +301,7 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         if self._tracked and now - self._stats_shipped < STATS_INTERVAL_S:
             return None
         self._stats_shipped = now
+        self._stats_dirty = False
         stats: KVConnectorStats = self._kvdiag_stats.clone_and_reset()
         return stats
 
@@ -261,49 +321,43 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
 
     # --- observation ----------------------------------------------------------------------------
 
-    @property
-    def _sched(self) -> Any:
-        return self.connector_scheduler
+    def _count(self, key: str, value: Any) -> None:
+        self._kvdiag_stats.data[key].append(value)
+        self._stats_dirty = True
 
-    @property
-    def _bidirectional(self) -> bool:
-        return bool(self._sched.is_bidirectional_kv_xfer_enabled)
-
-    @property
-    def _block_size(self) -> int:
-        return int(self._sched.block_size)
-
-    def _remember(self, table: OrderedDict[str, Any], key: str, value: Any) -> None:
+    @staticmethod
+    def _remember(table: dict[str, Any], key: str, value: Any) -> None:
         table[key] = value
-        while len(table) > MAX_TRACKED:
-            table.popitem(last=False)
+        if len(table) > MAX_TRACKED:   # insertion-ordered: drop the oldest
+            del table[next(iter(table))]
 
-    def _track(self, request: Any) -> None:
-        params = request.kv_transfer_params
+    def _track(self, request: Any, params: Any) -> None:
         if not isinstance(params, dict):
             return
         req_id = request.request_id
+        arrival = time.monotonic() if self._kvdiag_sink is not None else 0.0
         if params.get("do_remote_decode"):
-            has_handle = bool(params.get("remote_block_ids")) and all(k in params for k in _HANDLE_KEYS)
+            has_handle = bool(params.get("remote_block_ids")) and "remote_engine_id" in params \
+                and "remote_request_id" in params and "remote_host" in params and "remote_port" in params
             offered = params.get("remote_num_tokens") if has_handle else 0
             view = PrefillView(
-                engine_request_id=req_id, prompt_tokens=int(request.num_prompt_tokens), block_size=self._block_size,
+                engine_request_id=req_id, prompt_tokens=int(request.num_prompt_tokens), block_size=self._bs,
                 has_handle=has_handle, engine_id=self.engine_id,
                 remote_engine_id=str(params["remote_engine_id"]) if has_handle else None,
                 remote_request_id=str(params["remote_request_id"]) if has_handle else None,
                 remote_offered_tokens=offered if isinstance(offered, int) and offered > 0 else 0)
-            if has_handle and DIGEST_KEY in params and self._bidirectional:
+            if has_handle and DIGEST_KEY in params and self._bidir:
                 self._check_digest(request, params, view)
-            self._remember(self._tracked, req_id, _Tracked("prefill", time.monotonic(), prefill=view))
+            self._remember(self._tracked, req_id, _Tracked(arrival, prefill=view))
         elif params.get("do_remote_prefill"):
             view_d = _DecodeView(engine_request_id=req_id, prompt_tokens=int(request.num_prompt_tokens),
                                  remote_engine_id=_str_or_none(params.get("remote_engine_id")),
                                  remote_request_id=_str_or_none(params.get("remote_request_id")))
-            self._remember(self._tracked, req_id, _Tracked("decode", time.monotonic(), decode=view_d))
+            self._remember(self._tracked, req_id, _Tracked(arrival, decode=view_d))
 
     def _check_digest(self, request: Any, params: dict[str, Any], view: PrefillView) -> None:
         try:
-            mismatch, matched = first_mismatch(params[DIGEST_KEY], list(request.block_hashes), self._block_size)
+            mismatch, matched = first_mismatch(params[DIGEST_KEY], request.block_hashes, self._bs)
         except DigestError as exc:
             view.attrs["digest_error"] = str(exc)
             return
@@ -314,15 +368,12 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         if self.kvdiag_config.pull_matching_prefix:
             # Opt-in: shrink the handle to the blocks that match, so vLLM's own count
             # (min(remote_num_tokens, prompt) - local) and end-trim read exactly those blocks.
-            matched_tokens = matched * self._block_size
+            matched_tokens = matched * self._bs
             params["remote_num_tokens"] = min(view.remote_offered_tokens, matched_tokens)
             params["remote_block_ids"] = [list(group)[:matched] for group in params["remote_block_ids"]]
             view.attrs["pulled_matching_prefix"] = True
 
-    def _on_matched(self, request: Any, num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
-        tracked = self._tracked.get(request.request_id)
-        if tracked is None:
-            return
+    def _on_matched(self, tracked: _Tracked, num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
         if tracked.decode is not None:
             tracked.decode.local_hit_tokens = num_computed_tokens
             return
@@ -330,24 +381,31 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         if view is None or not view.has_handle:
             return
         view.local_hit_tokens = num_computed_tokens
+        threshold = self._threshold
+        if not self._bidir or threshold <= 0:
+            view.threshold_skipped = False
+            return
         remainder = view.remainder_tokens
-        threshold = int(self._sched.kv_recompute_threshold)
-        skipped = self._bidirectional and remainder > 0 and threshold > 0 and remainder < threshold \
-            and not result[0]
+        skipped = 0 < remainder < threshold and not result[0]
         if skipped and not view.threshold_skipped:
-            self._kvdiag_stats.data["kvdiag_threshold_skips"].append(1)
+            self._count("kvdiag_threshold_skips", 1)
         view.threshold_skipped = skipped
 
     def _on_connector_output(self, output: Any) -> None:
         stats = output.kv_connector_stats
         data = stats.data if stats is not None and isinstance(getattr(stats, "data", None), dict) else {}
-        for row in data.get("kvdiag_xfers", ()):
-            self._apply_xfer_row(row)
-        if data.get("kvdiag_xfers"):
+        rows = data.get("kvdiag_xfers")
+        if rows:
+            for row in rows:
+                self._apply_xfer_row(row)
             data["kvdiag_xfers"] = []  # consumed here; no request ids travel on to the API server
-        for req_id in data.get("kvdiag_expired", ()):
-            self._release(str(req_id), "expired")
-        if data.get("kvdiag_expired"):
+        expired = data.get("kvdiag_expired")
+        if expired:
+            for row in expired:   # [req_id, P's notifications before expiry] (a bare id from older workers)
+                if isinstance(row, list | tuple) and len(row) == 2:
+                    self._release(str(row[0]), "expired", int(row[1]))
+                else:
+                    self._release(str(row), "expired")
             data["kvdiag_expired"] = []
         for req_id in output.finished_recving or ():
             tracked = self._tracked.get(req_id)
@@ -362,10 +420,11 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
             if tracked is not None and tracked.decode is not None and tracked.decode.failure_type is None:
                 tracked.decode.failure_type = "unknown"
         for req_id in output.finished_sending or ():
-            self._release(req_id, "read")
+            if req_id in self._retained:
+                self._release(req_id, "read")
         while self._pending:
-            req_id, tracked = self._pending.popitem(last=False)
-            self._emit_final(req_id, tracked, None)
+            req_id = next(iter(self._pending))
+            self._emit_final(req_id, self._pending.pop(req_id), None)
 
     def _apply_xfer_row(self, row: Any) -> None:
         if not isinstance(row, list | tuple) or len(row) != 4:
@@ -387,98 +446,155 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
                 tracked.decode.transfer_bytes += nbytes
                 tracked.decode.transfer_ms += secs * 1000.0
 
-    def _on_finished(self, request: Any, block_ids: tuple[list[int], ...], delay: bool,
+    def _on_finished(self, request: Any, tracked: _Tracked, delay: bool,
                      params: dict[str, Any] | None) -> dict[str, Any] | None:
-        tracked = self._tracked.pop(request.request_id, None)
-        if tracked is None:
-            return params
-        tracked.status = _status_of(request.status)
-        tracked.attrs["finish_status"] = str(request.status)
-        reason = RequestStatus.get_finished_reason(request.status)
-        tracked.attrs["finish_reason"] = str(reason) if reason is not None else None
-        tracked.attrs["role"] = "P" if tracked.role == "prefill" else "D"
+        req_status = request.status
+        tracked.status = status = _status_of(req_status)
+        tracked.finish_status = req_status
         tracked.completion_tokens = int(request.num_output_tokens)
         view = tracked.prefill
         if view is not None:
-            view.request_failed = tracked.status != "ok"
-            view.failed_reason = f"request finished {request.status}" if view.request_failed else None
-            if view.pull_started and not view.read_ok and view.failure_type is None and view.request_failed:
+            failed = status != "ok"
+            view.request_failed = failed
+            view.failed_reason = f"request finished {req_status}" if failed else None
+            if failed and view.pull_started and not view.read_ok and view.failure_type is None:
                 # vLLM fails a request whose load failed before it hands the connector the worker's
                 # report of that step (update_connector_output runs later in the same step).
                 self._remember(self._pending, request.request_id, tracked)
                 return params
-        if tracked.role == "decode" and delay and params is not None and params.get("do_remote_decode"):
+        elif delay and params is not None and params.get("do_remote_decode"):
             self._on_retained(request, params)
         return self._emit_final(request.request_id, tracked, params)
 
+    def _on_never_posted(self, request: Any, tracked: _Tracked, tokens: int) -> None:
+        """Report now a P request vLLM parked for a read it will never post: it never finishes."""
+        view = tracked.prefill
+        assert view is not None
+        req_id = request.request_id
+        self._tracked.pop(req_id, None)
+        cause = f"its D->P read failed ({view.failure_type})" if view.failure_type else "its D->P read failed"
+        _vllm_logger.warning(
+            "kvdiag: request %s re-matched %d remote tokens after %s, but vLLM posts no second read for the "
+            "same handle: it stays in WAITING_FOR_REMOTE_KVS until aborted (bidirectional_kv_xfer with "
+            "kv_load_failure_policy=recompute).", req_id, tokens, cause)
+        view.request_failed = True
+        view.failed_reason = "stuck in WAITING_FOR_REMOTE_KVS: vLLM posts no second read"
+        view.attrs["stuck_waiting_for_remote_kvs"] = True
+        view.attrs["rematched_tokens"] = tokens
+        tracked.status = "hung"
+        tracked.finish_status = RequestStatus.WAITING_FOR_REMOTE_KVS   # where the scheduler parks it next
+        tracked.completion_tokens = int(request.num_output_tokens)
+        self._emit_final(req_id, tracked, None)
+
     def _on_retained(self, request: Any, params: dict[str, Any]) -> None:
-        ttl = float(self._sched.decoder_kv_blocks_ttl)
         blocks = sum(len(group) for group in params.get("remote_block_ids") or ())
         if self.kvdiag_config.digest:
-            held = int(params.get("remote_num_tokens") or 0) // self._block_size
-            params[DIGEST_KEY] = make_digest([bytes(h) for h in request.block_hashes[:held]], self._block_size)
-        self._remember(self._retained, request.request_id,
-                       _Retained(time.monotonic(), blocks, ttl))
-        self._emit(source="decode", event="kv_retained", engine_id=self.engine_id,
-                   engine_request_id=request.request_id, request_id=header_request_id(request.request_id),
-                   model=self._model, retained_blocks=blocks, ttl_s=ttl,
-                   expiry_ts=round(time.time() + ttl, 3),
-                   attrs={"remote_num_tokens": params.get("remote_num_tokens")})
+            # Only the checkpoint hashes are read (no copy of the hash list): once per retained request.
+            held = int(params.get("remote_num_tokens") or 0) // self._bs
+            params[DIGEST_KEY] = make_digest(request.block_hashes, self._bs, held)
+        self._remember(self._retained, request.request_id, (time.monotonic(), blocks))
+        if self._kvdiag_sink is not None:
+            self._kvdiag_sink.emit_call(self._retained_fields, request.request_id, blocks,
+                                        params.get("remote_num_tokens"), time.time())
 
-    def _release(self, req_id: str, reason: str) -> None:
+    def _release(self, req_id: str, reason: str, notifications: int | None = None) -> None:
+        """D gave up a retained sequence: ``read`` when P's notification arrived (a READ, or P's
+        notify-only after a skip, which D's NIXL cannot tell apart), ``expired`` when vLLM's lease
+        reaper released it (``notifications`` == 0: it was never read)."""
         held = self._retained.pop(req_id, None)
         if held is None:
             return
-        self._kvdiag_stats.data["kvdiag_released"].append(reason)
-        self._emit(source="decode", event="kv_released", engine_id=self.engine_id,
-                   engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
-                   retained_blocks=held.blocks, ttl_s=held.ttl_s, release_reason=reason,
-                   attrs={"held_s": round(time.monotonic() - held.since, 3)})
+        self._count("kvdiag_released", reason)
+        if self._kvdiag_sink is not None:
+            since, blocks = held
+            self._kvdiag_sink.emit_call(self._released_fields, req_id, blocks, reason, notifications,
+                                        time.monotonic() - since, time.time())
 
     def _emit_final(self, req_id: str, tracked: _Tracked, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        duration_ms = round((time.monotonic() - tracked.arrival) * 1000.0, 3)
-        if tracked.prefill is not None:
-            view = tracked.prefill
-            report = view.report(bidirectional=self._bidirectional, threshold=int(self._sched.kv_recompute_threshold))
+        view = tracked.prefill
+        if view is not None:
+            report = view.report_dict(bidirectional=self._bidir, threshold=self._threshold)
             if params is not None:
-                # PrefillReport.to_dict without dataclasses.asdict's deep copy (hot path, flat fields)
-                params[REPORT_KEY] = {k: v for k in REPORT_FIELDS if (v := getattr(report, k)) is not None}
-            self._kvdiag_stats.data["kvdiag_requests"].append(["prefill", report.outcome])
-            if report.remote_read_tokens:
-                self._kvdiag_stats.data["kvdiag_read_tokens"].append(report.remote_read_tokens)
-            attrs = {**view.attrs, **tracked.attrs}
-            if view.threshold_skipped:
-                attrs["threshold_skipped"] = True
-            self._emit(
-                source="prefill", event="prefill_request", engine_id=self.engine_id,
-                engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
-                prompt_tokens=report.prompt_tokens, completion_tokens=tracked.completion_tokens,
-                local_hit_tokens=report.local_hit_tokens, remote_offered_tokens=report.remote_offered_tokens,
-                remote_read_tokens=report.remote_read_tokens,
-                computed_tokens=report.computed_tokens, transfer_bytes=report.transfer_bytes,
-                transfer_ms=report.transfer_ms, duration_ms=duration_ms, remote_engine_id=report.remote_engine_id,
-                remote_request_id=report.remote_request_id, outcome=report.outcome, reason=report.reason,
-                failure_type=report.failure_type, status=tracked.status, attrs=attrs)
+                params[REPORT_KEY] = report   # PrefillReport.to_dict()'s shape, without the dataclass
+            self._count("kvdiag_requests", ("prefill", report["outcome"]))
+            if report["remote_read_tokens"]:
+                self._count("kvdiag_read_tokens", report["remote_read_tokens"])
+            if self._kvdiag_sink is not None:
+                self._kvdiag_sink.emit_call(self._prefill_fields, req_id, tracked, view, report,
+                                            time.monotonic() - tracked.arrival, time.time())
         elif tracked.decode is not None:
-            d = tracked.decode
-            self._kvdiag_stats.data["kvdiag_requests"].append(["decode", "unknown"])
-            self._emit(
-                source="decode", event="decode_request", engine_id=self.engine_id,
-                engine_request_id=req_id, request_id=header_request_id(req_id), model=self._model,
-                prompt_tokens=d.prompt_tokens, completion_tokens=tracked.completion_tokens,
-                local_hit_tokens=d.local_hit_tokens, remote_read_tokens=d.remote_read_tokens if d.read_ok else 0,
-                computed_tokens=max(d.prompt_tokens - d.local_hit_tokens - (d.remote_read_tokens if d.read_ok else 0),
-                                    0),
-                transfer_bytes=d.transfer_bytes, transfer_ms=round(d.transfer_ms, 3), duration_ms=duration_ms,
-                remote_engine_id=d.remote_engine_id, remote_request_id=d.remote_request_id,
-                failure_type=d.failure_type, status=tracked.status,
-                attrs={**tracked.attrs, "returned_handle": bool(params)})
+            self._count("kvdiag_requests", _DECODE_ROW)
+            if self._kvdiag_sink is not None:
+                self._kvdiag_sink.emit_call(self._decode_fields, req_id, tracked, tracked.decode, bool(params),
+                                            time.monotonic() - tracked.arrival, time.time())
         return params
 
+    # --- events -----------------------------------------------------------------------------------
+    # The hooks queue (builder, ids, ints, the finished request's own records, clock readings); the
+    # builders below run on the sink's writer thread. What they read is no longer changed once
+    # queued: the request has left _tracked / _retained, and the report dict is only read.
+
+    def _retained_fields(self, req_id: str, blocks: int, remote_num_tokens: Any, wall: float) -> dict[str, Any]:
+        return {"ts": round(wall, 3), "source": "decode", "event": "kv_retained", "engine_id": self.engine_id,
+                "engine_request_id": req_id, "request_id": header_request_id(req_id), "model": self._model,
+                "retained_blocks": blocks, "ttl_s": self._ttl, "expiry_ts": round(wall + self._ttl, 3),
+                "attrs": {"remote_num_tokens": remote_num_tokens}}
+
+    def _released_fields(self, req_id: str, blocks: int, reason: str, notifications: int | None, held_s: float,
+                         wall: float) -> dict[str, Any]:
+        attrs: dict[str, Any] = {"held_s": round(held_s, 3)}
+        if reason == "read":
+            attrs["notified"] = True
+        elif notifications is not None:
+            attrs["notifications"] = notifications
+            attrs["unread"] = notifications == 0
+        return {"ts": round(wall, 3), "source": "decode", "event": "kv_released", "engine_id": self.engine_id,
+                "engine_request_id": req_id, "request_id": header_request_id(req_id), "model": self._model,
+                "retained_blocks": blocks, "ttl_s": self._ttl, "release_reason": reason, "attrs": attrs}
+
+    @staticmethod
+    def _finish_attrs(tracked: _Tracked) -> dict[str, Any]:
+        reason = RequestStatus.get_finished_reason(tracked.finish_status)
+        return {"finish_status": str(tracked.finish_status),
+                "finish_reason": str(reason) if reason is not None else None,
+                "role": "P" if tracked.prefill is not None else "D"}
+
+    def _prefill_fields(self, req_id: str, tracked: _Tracked, view: PrefillView, report: dict[str, Any],
+                        elapsed_s: float, wall: float) -> dict[str, Any]:
+        attrs = {**view.attrs, **self._finish_attrs(tracked)}
+        if view.threshold_skipped:
+            attrs["threshold_skipped"] = True
+        return {
+            "ts": round(wall, 3), "source": "prefill", "event": "prefill_request", "engine_id": self.engine_id,
+            "engine_request_id": req_id, "request_id": header_request_id(req_id), "model": self._model,
+            "prompt_tokens": report["prompt_tokens"], "completion_tokens": tracked.completion_tokens,
+            "local_hit_tokens": report["local_hit_tokens"], "remote_offered_tokens": report["remote_offered_tokens"],
+            "remote_read_tokens": report["remote_read_tokens"], "computed_tokens": report["computed_tokens"],
+            "transfer_bytes": report["transfer_bytes"], "transfer_ms": report["transfer_ms"],
+            "duration_ms": round(elapsed_s * 1000.0, 3),
+            "remote_engine_id": report.get("remote_engine_id"), "remote_request_id": report.get("remote_request_id"),
+            "outcome": report["outcome"], "reason": report.get("reason"), "failure_type": report.get("failure_type"),
+            "status": tracked.status, "attrs": attrs}
+
+    def _decode_fields(self, req_id: str, tracked: _Tracked, d: _DecodeView, returned_handle: bool,
+                       elapsed_s: float, wall: float) -> dict[str, Any]:
+        read = d.remote_read_tokens if d.read_ok else 0
+        return {
+            "ts": round(wall, 3), "source": "decode", "event": "decode_request", "engine_id": self.engine_id,
+            "engine_request_id": req_id, "request_id": header_request_id(req_id), "model": self._model,
+            "prompt_tokens": d.prompt_tokens, "completion_tokens": tracked.completion_tokens,
+            "local_hit_tokens": d.local_hit_tokens, "remote_read_tokens": read,
+            "computed_tokens": max(d.prompt_tokens - d.local_hit_tokens - read, 0),
+            "transfer_bytes": d.transfer_bytes, "transfer_ms": round(d.transfer_ms, 3),
+            "duration_ms": round(elapsed_s * 1000.0, 3),
+            "remote_engine_id": d.remote_engine_id, "remote_request_id": d.remote_request_id,
+            "failure_type": d.failure_type, "status": tracked.status,
+            "attrs": {**self._finish_attrs(tracked), "returned_handle": returned_handle}}
+
     def _emit(self, **fields: Any) -> None:
-        # Events are built only when a file sink is configured: no cost on the step otherwise.
         if self._kvdiag_sink is not None:
-            self._kvdiag_sink.emit(TurnEvent(ts=now_ts(), **fields))
+            fields["ts"] = now_ts()
+            self._kvdiag_sink.emit_fields(fields)
 
     def _count_sink_error(self) -> None:
         # Runs on the sink's thread: only bump counters; get_kv_connector_stats reports them.

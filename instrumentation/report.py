@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvdiag.schema.events import PrefillReport
+from kvdiag.schema.events import SCHEMA_VERSION, PrefillReport
 from kvdiag.schema.verdicts import Verdict
 
 # Failure type the worker records when NIXL declines a D->P read because D's deadline is within
@@ -106,24 +106,36 @@ class PrefillView:
 
     def report(self, *, bidirectional: bool, threshold: int) -> PrefillReport:
         """The PrefillReport P returns under ``kv_transfer_params["kvdiag"]``."""
+        return PrefillReport(**self.report_dict(bidirectional=bidirectional, threshold=threshold))
+
+    def report_dict(self, *, bidirectional: bool, threshold: int) -> dict[str, Any]:
+        """``report(...).to_dict()`` without building the frozen dataclass (the connector's finish hook)."""
         verdict, reason = self.outcome(bidirectional=bidirectional, threshold=threshold)
         read_ok = self.read_ok and self.failure_type is None
-        return PrefillReport(
-            engine_request_id=self.engine_request_id,
-            engine_id=self.engine_id,
-            prompt_tokens=self.prompt_tokens,
-            local_hit_tokens=self.local_hit_tokens,
-            remote_offered_tokens=self.remote_offered_tokens,
-            remote_read_tokens=self.remote_read_tokens if read_ok else 0,
-            computed_tokens=self.computed_tokens(),
-            transfer_bytes=self.transfer_bytes,
-            transfer_ms=round(self.transfer_ms, 3),
-            outcome=verdict.value,
-            reason=reason,
-            failure_type=self.failure_type,
-            remote_engine_id=self.remote_engine_id,
-            remote_request_id=self.remote_request_id,
-        )
+        out: dict[str, Any] = {
+            "v": SCHEMA_VERSION,
+            "engine_request_id": self.engine_request_id,
+            "prompt_tokens": self.prompt_tokens,
+            "local_hit_tokens": self.local_hit_tokens,
+            "remote_offered_tokens": self.remote_offered_tokens,
+            "remote_read_tokens": self.remote_read_tokens if read_ok else 0,
+            "computed_tokens": self.computed_tokens(),
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_ms": round(self.transfer_ms, 3),
+            "outcome": verdict.value,
+        }
+        # the optional fields, only when set (as PrefillReport.to_dict)
+        if self.engine_id is not None:
+            out["engine_id"] = self.engine_id
+        if reason is not None:
+            out["reason"] = reason
+        if self.failure_type is not None:
+            out["failure_type"] = self.failure_type
+        if self.remote_engine_id is not None:
+            out["remote_engine_id"] = self.remote_engine_id
+        if self.remote_request_id is not None:
+            out["remote_request_id"] = self.remote_request_id
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +156,7 @@ def make_digest(block_hashes: Sequence[bytes], block_size: int, count: int | Non
     """
     n = len(block_hashes) if count is None else max(0, min(count, len(block_hashes)))
     stride = max(1, -(-n // MAX_CHECKPOINTS))
-    checkpoints = [bytes(block_hashes[i])[:DIGEST_BYTES].hex() for i in range(stride - 1, n, stride)]
+    checkpoints = [bytes(h[:DIGEST_BYTES]).hex() for h in block_hashes[stride - 1:n:stride]]
     return {"block_size": block_size, "stride": stride, "blocks": n, "h": checkpoints}
 
 

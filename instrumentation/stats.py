@@ -8,7 +8,9 @@ line and ``/metrics``. kvdiag rides the same channel with extra keys:
 * ``kvdiag_xfers`` (worker -> scheduler): one row per request whose D->P read ended,
   ``[req_id, bytes, transfer_s, failure_type]`` (``""`` when it succeeded). The bytes and
   seconds are NIXL's own telemetry for that request's handles.
-* ``kvdiag_expired`` (worker -> scheduler): requests whose retained blocks D released at expiry.
+* ``kvdiag_expired`` (worker -> scheduler): requests whose retained blocks D released at expiry,
+  ``[req_id, notifications]`` (the consumer notifications vLLM counted before the lease ran out:
+  0 = released unread).
 * counters for ``/metrics`` (scheduler -> API server): ``kvdiag_requests`` rows ``[role, outcome]``,
   ``kvdiag_read_tokens``, ``kvdiag_threshold_skips``, ``kvdiag_released`` (reasons),
   ``kvdiag_retained`` (gauge samples), ``kvdiag_emit_errors``.

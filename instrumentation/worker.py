@@ -81,10 +81,17 @@ class ObservedPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         return done, failed
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        if not self._reqs_to_send:   # every step: nothing held, nothing can expire
+            super()._reap_expired_send_leases(done_sending)
+            return
         before = set(done_sending)
+        # vLLM pops the per-request count of consumer notifications as it reaps ("... retrieved by %d
+        # remote worker(s) before lease expired"): read them first. 0 means the blocks expired unread.
+        notified = dict(self.consumer_notification_counts_by_req)
         super()._reap_expired_send_leases(done_sending)
         with self.kvdiag_guard:
-            self.xfer_stats.data["kvdiag_expired"].extend(sorted(done_sending - before))
+            self.xfer_stats.data["kvdiag_expired"].extend(
+                [req_id, int(notified.get(req_id, 0))] for req_id in sorted(done_sending - before))
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,8 @@ from kvdiag.instrumentation.report import (
     first_mismatch,
     make_digest,
 )
-from kvdiag.schema.events import PrefillReport
+from kvdiag.instrumentation.sink import FieldsEventSink, event_json
+from kvdiag.schema.events import PrefillReport, TurnEvent, read_events
 
 
 def view(**kw: object) -> PrefillView:
@@ -73,6 +75,31 @@ def test_failed_read_reports_no_read_tokens() -> None:
     report = v.report(bidirectional=True, threshold=64)
     assert (report.outcome, report.remote_read_tokens, report.computed_tokens) == ("transfer_failed", 0, 170)
     assert report.failure_type == "transfer_failed"
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"has_handle": False, "engine_id": None, "remote_engine_id": None, "remote_request_id": None},
+    {"mismatch_block": 1}, {"local_hit_tokens": 96}, {"failure_type": DECLINED_EXPIRED, "request_failed": True},
+])
+@pytest.mark.parametrize("read", ["none", "done", "failed"])
+def test_the_connectors_report_dict_is_the_reports_to_dict(kw: dict[str, object], read: str) -> None:
+    v = view(**kw)
+    if read != "none":
+        v.read_started(139)
+        if read == "done":
+            v.read_done(983_040, 4.23456)
+        else:
+            v.read_failed("transfer_failed")
+    as_dict = v.report_dict(bidirectional=True, threshold=64)
+    assert as_dict == v.report(bidirectional=True, threshold=64).to_dict()
+    assert PrefillReport.from_dict(as_dict).to_dict() == as_dict
+
+
+def test_digest_of_a_prefix_reads_only_the_held_blocks() -> None:
+    all_hashes = hashes(list(range(32 * 10)))
+    assert make_digest(all_hashes, 32, 4) == make_digest(all_hashes[:4], 32)
+    assert make_digest(all_hashes, 32, 99) == make_digest(all_hashes, 32)      # more than held: all of them
+    assert make_digest(all_hashes, 32, 0)["h"] == []
 
 
 def hashes(tokens: list[int], block: int = 32) -> list[bytes]:
@@ -148,3 +175,28 @@ def test_sim_options_map_onto_the_real_engine_backend() -> None:
     cli = parse_args(["prefill", "--no-prefix-caching", "--pull-matching-prefix", "--kv-recompute-threshold", "0"])
     assert (cli.role, cli.prefix_caching, cli.pull_matching_prefix, cli.kv_recompute_threshold) == \
         ("prefill", False, True, 0)
+
+
+@pytest.mark.parametrize("fields", [
+    {"source": "decode", "event": "kv_released", "engine_request_id": "cmpl-d-0", "retained_blocks": 5,
+     "ttl_s": 480.0, "release_reason": "expired", "attrs": {"held_s": 1.5, "unread": True, "notifications": 0}},
+    {"source": "prefill", "event": "prefill_request", "prompt_tokens": 170, "outcome": "remote_hit", "attrs": {}},
+    {"source": "prefill", "event": "engine_start", "attrs": {"nested": {"a": [1, 2]}, "none": None}},
+])
+def test_the_fast_event_line_is_the_schemas_line(fields: dict[str, object]) -> None:
+    event = TurnEvent(ts=1795940244.758, **fields)  # type: ignore[arg-type]
+    assert event_json(event) == event.to_json()
+
+
+def test_fields_sink_builds_events_on_its_thread_and_counts_bad_ones(tmp_path: Path) -> None:
+    errors: list[int] = []
+    sink = FieldsEventSink(tmp_path / "ev.jsonl", on_error=lambda: errors.append(1))
+    sink.emit_fields({"ts": 1.0, "source": "decode", "event": "kv_retained", "retained_blocks": 4})
+    sink.emit_fields({"ts": 2.0, "source": "decode", "event": "kv_retained", "no_such_field": 1})
+    sink.emit_call(lambda blocks: {"ts": 3.0, "source": "decode", "event": "kv_retained",
+                                   "retained_blocks": blocks}, 6)
+    sink.emit_call(lambda: 1 // 0)   # a broken builder: counted, the writer goes on
+    sink.emit_fields({"ts": 4.0, "source": "decode", "event": "kv_retained", "retained_blocks": 8})
+    sink.close()
+    assert [e.retained_blocks for e in read_events(tmp_path / "ev.jsonl")] == [4, 6, 8]
+    assert (sink.written, sink.errors, errors) == (3, 2, [1, 1])

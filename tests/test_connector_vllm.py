@@ -102,7 +102,7 @@ def test_two_turn_events_on_both_sides(run: dict[str, Any]) -> None:
     retained = one(d_ev, "kv_retained", ids["t1-d"])
     assert retained.retained_blocks == 5 and retained.ttl_s == 480.0
     released = one(d_ev, "kv_released", ids["t1-d"])
-    assert released.release_reason == "read"
+    assert released.release_reason == "read" and released.attrs["notified"] is True
     d1 = one(d_ev, "decode_request", ids["t1-d"])
     assert d1.transfer_bytes == 4 * LAYERS * PAGE_BYTES and d1.remote_read_tokens == 100
     assert d1.remote_request_id == ids["t1-p"] and d1.status == "ok"
@@ -120,7 +120,23 @@ def test_expired_read_is_declined_and_reported(run: dict[str, Any]) -> None:
     assert (t2.outcome, t2.failure_type, t2.status) == ("expired_remote_read", "expired_declined", "error")
     assert rec["p_stats"]["num_kv_expired_reqs"] == [1] and rec["p_stats"]["bytes_transferred"] == []
     released = one(events(rec, "decode"), "kv_released", ids["t1-d"])
+    # P declined, so it never notified D: the lease ran out on blocks nobody read
     assert released.release_reason == "expired"
+    assert (released.attrs["unread"], released.attrs["notifications"]) == (True, 0)
+
+
+def test_recompute_policy_hang_is_reported_while_the_request_is_stuck(run: dict[str, Any]) -> None:
+    rec = scenario(run, "s9_recompute_hang")
+    # vLLM 0.33 (F1): after the declined read, P's request never leaves WAITING_FOR_REMOTE_KVS
+    assert rec["t2_p_finished"] is False and rec["t2_p_status"] == "WAITING_FOR_REMOTE_KVS"
+    # ... and kvdiag reports it at once, without waiting for a finish that never comes
+    t2 = one(events(rec, "prefill"), "prefill_request", rec["ids"]["t2-p"])
+    assert (t2.status, t2.outcome, t2.failure_type) == ("hung", "expired_remote_read", "expired_declined")
+    assert t2.attrs["stuck_waiting_for_remote_kvs"] is True and t2.attrs["rematched_tokens"] == 139
+    assert t2.attrs["finish_status"] == "WAITING_FOR_REMOTE_KVS"
+    with open(Path(run["_out"]) / "engine.log", encoding="utf-8", errors="replace") as fh:
+        warned = [r for r in parse_vllm_log(fh) if r.level == "WARNING" and "WAITING_FOR_REMOTE_KVS" in r.msg]
+    assert any(t2.engine_request_id in r.msg for r in warned)
 
 
 def test_threshold_skip(run: dict[str, Any]) -> None:
@@ -131,6 +147,11 @@ def test_threshold_skip(run: dict[str, Any]) -> None:
     assert rec["p_stats"]["bytes_transferred"] == []
     t2 = one(events(rec, "prefill"), "prefill_request", rec["ids"]["t2-p"])
     assert t2.attrs.get("threshold_skipped") is True
+    # P's notify-only frees D's blocks at once. D's NIXL sees the same notification as after a READ,
+    # so D reports it "read"; P's event for the same handle says nothing was read (released unread).
+    released = one(events(rec, "decode"), "kv_released", rec["ids"]["t1-d"])
+    assert released.release_reason == "read" and released.attrs["notified"] is True
+    assert t2.remote_request_id == released.engine_request_id and t2.remote_read_tokens == 0
 
 
 def test_bidirectional_off_on_decode(run: dict[str, Any]) -> None:
@@ -188,9 +209,10 @@ def test_vllm_log_lines_parse_to_the_event_facts(run: dict[str, Any]) -> None:
     assert t2.outcome == "expired_remote_read"
     failing = [r.fields for r in log_records(run, "kv_load_failed")]
     assert any(t2.engine_request_id in f["request_ids"] and f["tokens"] == t2.remote_offered_tokens for f in failing)
-    releasing = {r.fields["request_id"] for r in log_records(run, "releasing_expired")}
-    expired = {e.engine_request_id for e in events(s2, "decode") if e.release_reason == "expired"}
-    assert expired == {s2["ids"]["t1-d"]} and expired <= releasing
+    releasing = {r.fields["request_id"]: r.fields["count"] for r in log_records(run, "releasing_expired")}
+    expired = {e.engine_request_id: e.attrs["notifications"] for e in events(s2, "decode")
+               if e.release_reason == "expired"}
+    assert list(expired) == [s2["ids"]["t1-d"]] and expired.items() <= releasing.items()
     skips = {r.fields["request_id"]: r.fields for r in log_records(run, "skip_remote_pull")}
     t3 = one(events(s3, "prefill"), "prefill_request", s3["ids"]["t2-p"])
     assert skips[t3.engine_request_id]["remote_tokens"] == t3.remote_offered_tokens - t3.local_hit_tokens

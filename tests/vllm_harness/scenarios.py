@@ -45,11 +45,12 @@ class Pair:
     """A P and a D engine plus the driver a router would be: params passed as they are."""
 
     def __init__(self, work: Path, name: str, *, p_extra: dict[str, Any], d_extra: dict[str, Any],
-                 p_prefix_caching: bool = False) -> None:
+                 p_prefix_caching: bool = False, p_policy: str = "fail") -> None:
         self.dir = work / name
         self.dir.mkdir(parents=True, exist_ok=True)
         model = write_model_dir(work / "opt")
         self.p = Engine("P", model, work, writer_tag=1, prefix_caching=p_prefix_caching,
+                        kv_load_failure_policy=p_policy,
                         extra={**p_extra, "kvdiag_role": "prefill",
                                "kvdiag_events_file": str(self.dir / "prefill-events.jsonl")})
         self.d = Engine("D", model, work, writer_tag=2,
@@ -197,6 +198,9 @@ def s3_threshold(work: Path) -> dict[str, Any]:
     history, _p1, d1 = pair.turn1()
     p2 = pair.prefill("t2-p", history + list(range(3000, 3030)), d1.kv_transfer_params)
     pair.record["t2_p_params"] = _jsonable(p2.kv_transfer_params)
+    # P's notify-only (no READ) frees D's blocks: wait for D to see it (bounded)
+    t1_d = pair.rid("t1-d")
+    pair.both_until(lambda: t1_d not in pair.d.connector._retained, timeout_s=10.0)
     return pair.finish()
 
 
@@ -249,23 +253,43 @@ def s8_observer_error(work: Path) -> dict[str, Any]:
     def broken(self: Any, **_: Any) -> Any:
         raise RuntimeError("injected kvdiag bug")
 
-    original = report.PrefillView.report
-    report.PrefillView.report = broken  # type: ignore[method-assign]
+    original = report.PrefillView.report_dict
+    report.PrefillView.report_dict = broken  # type: ignore[method-assign]
     try:
         pair = Pair(work, "s8_observer_error", p_extra=BIDIR, d_extra=BIDIR)
         _history, _p1, d1 = pair.turn1()
         pair.record["guard_errors"] = pair.p.connector.kvdiag_guard.errors
     finally:
-        report.PrefillView.report = original  # type: ignore[method-assign]
+        report.PrefillView.report_dict = original  # type: ignore[method-assign]
     pair.record["d_finish"] = str(d1.finish_reason)
     rec = pair.finish()
     rec["p_emit_errors"] = sum(len(s.get("kvdiag_emit_errors", [])) for s in pair.p.stats)
     return rec
 
 
+def s9_recompute_hang(work: Path) -> dict[str, Any]:
+    """vLLM 0.33 with kv_load_failure_policy=recompute: after P declines the expiring read, P's request
+    is re-matched but no read is posted, so it never leaves WAITING_FOR_REMOTE_KVS (finding F1).
+    Bounded: the request is watched for 2 s, not waited for."""
+    pair = Pair(work, "s9_recompute_hang", p_extra=BIDIR, d_extra={**BIDIR, "decoder_kv_blocks_ttl": 2},
+                p_policy="recompute")
+    history, _p1, d1 = pair.turn1()
+    rid = pair.rid("t2-p")
+    pair.p.add(rid, history + list(range(3000, 3030)), max_tokens=1, kv_transfer_params=d1.kv_transfer_params)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and rid not in pair.p.finished:
+        pair.p.step()
+        pair.d.step()
+        time.sleep(0.005)
+    request = pair.p.scheduler.requests.get(rid)
+    pair.record["t2_p_finished"] = rid in pair.p.finished
+    pair.record["t2_p_status"] = request.status.name if request is not None else None
+    return pair.finish()
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     f.__name__: f for f in (s1_two_turn, s2_expired, s3_threshold, s4_bidir_off, s5_mismatch, s6_mismatch_partial,
-                            s7_handshake_failed, s8_observer_error)
+                            s7_handshake_failed, s8_observer_error, s9_recompute_hang)
 }
 
 
