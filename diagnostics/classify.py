@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvdiag.diagnostics.correlate import LogIndex, ProxyRequest, TurnFacts
-from kvdiag.diagnostics.json_logs import ClientStat
+from kvdiag.diagnostics.json_logs import ClientStat, EventRecord
 from kvdiag.diagnostics.proxy_log import ProxyRecord
 from kvdiag.diagnostics.records import Evidence, TurnRecord
 from kvdiag.diagnostics.vllm_log import VllmRecord
@@ -169,12 +169,36 @@ def _p_kind(facts: TurnFacts, *kinds: str) -> VllmRecord | None:
     return next((r for r in facts.p_records if r.kind in kinds), None)
 
 
+# P lines that show the request got past WAITING_FOR_REMOTE_KVS (it finished, or is holding blocks for D).
+_COMPLETED_KINDS = frozenset({"request_finished_wait", "request_finished_status", "finished_sending",
+                              "generated_response"})
+
+
+def _hung(facts: TurnFacts) -> VllmRecord | None:
+    """P's last ``still in WAITING_FOR_REMOTE_KVS`` line if the request never left that state.
+
+    Real vLLM logs that line at DEBUG on every engine step of an ordinary D→P read (about 100 lines for
+    a 100 ms read), so the line alone proves nothing: the request hung only if P never finished it and
+    no successful receive follows the last such line.
+    """
+    waits = [r for r in facts.p_records if r.kind == "waiting_remote_kvs"]
+    if not waits or any(r.kind in _COMPLETED_KINDS for r in facts.p_records):
+        return None
+    last = max(waits, key=lambda r: (r.path, r.lineno))
+    if any(r.kind == "finished_recving" and (r.path, r.lineno) > (last.path, last.lineno) for r in facts.p_records):
+        return None
+    return last
+
+
 def _failed(facts: TurnFacts) -> tuple[str | None, Located | None]:
     """Why the turn itself failed (stock or instrumented), with the line that says so."""
-    for ev in (*facts.client_events, *facts.router_events):
+    # The client's own record wins: the router can log a late 499 for a reply the client read in full.
+    answered = any(ev.event.status == "ok" for ev in facts.client_events)
+    for ev in (*facts.client_events, *([] if answered else facts.router_events)):
         if ev.event.status in FAILED_STATUSES:
             http = f", HTTP {ev.event.http_status}" if ev.event.http_status else ""
             return f"status={ev.event.status}{http}", ev
+    hung = _hung(facts)  # once: a real hang logs thousands of WAITING lines
     for rec in (*facts.p_records, *facts.d_records, *facts.other_records):
         if rec.kind == "kv_load_failed":
             return "P failed it on KV load failure (failure_policy=fail)", rec
@@ -182,7 +206,7 @@ def _failed(facts: TurnFacts) -> tuple[str | None, Located | None]:
             return f"vLLM: request failed ({rec.fields.get('why')})", rec
         if rec.kind == "generated_response" and rec.fields.get("finish_reason") in ("error", "abort"):
             return f"finish_reason={rec.fields['finish_reason']}", rec
-        if rec.kind == "waiting_remote_kvs":
+        if rec.kind == "waiting_remote_kvs" and rec is hung:
             return "never completed: P stuck in WAITING_FOR_REMOTE_KVS (vLLM 0.33 recompute hang)", rec
     if facts.proxy is not None:
         for line in facts.proxy.lines:
@@ -231,13 +255,25 @@ def _client_gap(prev: ClientStat | None, cur: ClientStat | None) -> float | None
     return round(gap, 3) if gap >= 0 else None
 
 
+def _inferred_by_router(ev: EventRecord) -> bool:
+    return (ev.event.reason or "").startswith("inferred")
+
+
 def _instrumented(facts: TurnFacts, b: _Turn) -> TurnRecord | None:
-    """The outcome recorded by the router (merged with P's report), or by P, when present."""
+    """The outcome recorded by the router (merged with P's report), or by P, when present.
+
+    A router outcome the router itself marks ``inferred:`` (e.g. it retried P without the handle
+    after P failed the request) yields to the outcome P's connector recorded for the same request:
+    on real vLLM an expired read declined by P reaches the router only as a failed prefill leg.
+    """
+    observed = [e for e in facts.prefill_events if e.event.outcome not in (None, Verdict.UNKNOWN.value)]
     for group in (facts.router_events, facts.prefill_events, facts.client_events):
         ev = next((e for e in group if e.event.outcome is not None), None)
         if ev is None or ev.event.outcome is None:
             continue
-        verdict = Verdict(ev.event.outcome)
+        if group is facts.router_events and _inferred_by_router(ev) and observed:
+            ev = observed[0]
+        verdict = Verdict(ev.event.outcome or Verdict.UNKNOWN.value)
         if verdict is Verdict.UNKNOWN:
             continue
         reason = ev.event.reason or VERDICT_INFO[verdict].summary
@@ -247,7 +283,9 @@ def _instrumented(facts: TurnFacts, b: _Turn) -> TurnRecord | None:
             reason = _with_failure(reason, facts, b)
         extra = [e for e in (*facts.prefill_events, *facts.decode_events) if e is not ev][:3]
         stock = [r for r in facts.p_records if r.kind][:3] + facts.released_handle[:1]
-        return b.set(verdict, CONFIRMED, reason, ev, *extra, *stock)
+        # an outcome its recorder only inferred is no proof, whatever the source
+        confidence = INFERRED if _inferred_by_router(ev) else CONFIRMED
+        return b.set(verdict, confidence, reason, ev, *extra, *stock)
     return None
 
 
@@ -352,7 +390,7 @@ def _handle_offered(facts: TurnFacts, ctx: Context, b: _Turn) -> TurnRecord:
     if load_fail is not None:
         return b.set(Verdict.TRANSFER_FAILED, INFERRED, "P failed the request on a KV load failure with no "
                      "expiry line; failure_type unknown at this log level; the turn failed", sent, load_fail)
-    hang = _p_kind(facts, "waiting_remote_kvs")
+    hang = _hung(facts)
     if hang is not None:
         return b.set(Verdict.UNKNOWN, INFERRED, "P stuck in WAITING_FOR_REMOTE_KVS after a D→P read (vLLM 0.33 "
                      "recompute hang); the turn never completed; P's WARNING lines decide the cause", sent, hang)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Final
@@ -219,19 +220,55 @@ def _record(obj: Any, path: str, lineno: int, text: str, stats: LineStats) -> Ev
 def parse_json_document(data: bytes, path: str, stats: LineStats | None = None) -> Iterator[ClientStat]:
     """Yield client records from one (possibly pretty-printed) JSON array or object-of-lists document."""
     stats = stats if stats is not None else LineStats()
+    text = data.decode("utf-8", errors="replace")
     try:
-        doc = json.loads(data.decode("utf-8", errors="replace"))
+        doc = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         stats.corrupt += 1
         stats.note(path, 1, "not a valid JSON document")
         return
-    items: list[Any] = doc if isinstance(doc, list) else next(
-        (v for v in doc.values() if isinstance(v, list)), []) if isinstance(doc, dict) else []
+    key: str | None = None
+    items: list[Any] = []
+    if isinstance(doc, list):
+        items = doc
+    elif isinstance(doc, dict):
+        key, items = next(((k, v) for k, v in doc.items() if isinstance(v, list)), (None, []))
+    lines = _element_lines(text, key, len(items))
     for index, item in enumerate(items, start=1):
         stats.lines += 1
-        rec = client_stat_from_dict(item, path, index, json.dumps(item)[:500])
+        rec = client_stat_from_dict(item, path, lines[index - 1] if lines else index, json.dumps(item)[:500])
         if rec is None:
             stats.other += 1
             continue
         stats.records += 1
         yield rec
+
+
+def _element_lines(text: str, key: str | None, count: int) -> list[int]:
+    """The 1-based line each element of the document's record list starts on (evidence ``file:line``).
+
+    A pretty-printed ``--stats-json-output`` array puts a record on many lines; the element's index is
+    not a line number. Returns ``[]`` when the list cannot be located (the caller falls back to the index).
+    """
+    decoder = json.JSONDecoder()
+    if key is None:
+        pos = text.find("[")
+    else:
+        m = re.search(re.escape(json.dumps(key)) + r"\s*:\s*\[", text)
+        pos = m.end() - 1 if m else -1
+    if pos < 0:
+        return []
+    out: list[int] = []
+    pos += 1
+    line, seen = 1, 0
+    try:
+        while len(out) < count:
+            while pos < len(text) and text[pos] in " \t\r\n,":
+                pos += 1
+            line += text.count("\n", seen, pos)
+            seen = pos
+            out.append(line)
+            _, pos = decoder.raw_decode(text, pos)
+    except (json.JSONDecodeError, RecursionError):
+        return []
+    return out

@@ -136,6 +136,9 @@ _CLASSIFIERS: Final[list[tuple[str, re.Pattern[str], _Conv]]] = [
     ("request_finished_wait", re.compile(
         rf"^NIXLConnector request_finished\(({_ID})\) waiting for (\d+) seconds"),
      lambda m: {"request_id": m.group(1), "seconds": int(m.group(2))}),
+    ("request_finished_status", re.compile(
+        rf"^NIXLConnector request_finished\(({_ID})\), request_status=(\w+)"),
+     lambda m: {"request_id": m.group(1), "status": m.group(2)}),
     ("waiting_remote_kvs", re.compile(rf"^({_ID}) is still in WAITING_FOR_REMOTE_KVS state"),
      lambda m: {"request_id": m.group(1)}),
     ("invalid_params", re.compile(r"^Got invalid KVTransferParams: (.*)\. This request will not utilize", re.DOTALL),
