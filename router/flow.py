@@ -83,6 +83,7 @@ class _Turn:
     handle_reached_p: bool = False  # P may have read it: never give it back
     reached_decode: bool = False
     store_done: bool = False
+    delivered: bool = False  # the client has been sent the whole stream, [DONE] included
 
 
 class TurnFlow:
@@ -452,8 +453,10 @@ class TurnFlow:
                     try:
                         await out.write(chunk)
                     except ConnectionResetError:
-                        client_gone = True
+                        client_gone = not turn.delivered
                         break
+                    if capture.done:
+                        turn.delivered = True
             except ConnectionResetError:
                 client_gone = True  # the client went away before the headers were sent
             except TimeoutError:
@@ -500,6 +503,8 @@ class TurnFlow:
         return out
 
     def _client_gone(self, turn: _Turn) -> None:
+        if turn.delivered:
+            return  # a client that closes after [DONE] had the whole reply: not a disconnect
         state = turn.state
         state.status, state.http_status = "disconnected", 499
         if state.missing_reason is None and not turn.store_done:

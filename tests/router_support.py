@@ -94,6 +94,7 @@ class FakeBackend:
     d_status: int = 200
     d_chunks: int = 3
     d_delay: float = 0.0
+    d_linger: float = 0.0  # seconds D keeps the stream open after [DONE] (a slow upstream close)
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     aborted: int = 0
@@ -198,6 +199,8 @@ class FakeBackend:
                     await asyncio.sleep(0.01)
             else:
                 await resp.write(data)
+            if self.d_linger:
+                await asyncio.sleep(self.d_linger)
             await resp.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             self.aborted += 1

@@ -459,3 +459,19 @@ async def test_spans_reach_an_otlp_http_collector(tmp_path: Path) -> None:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+async def test_client_closing_right_after_done_is_not_a_disconnect(tmp_path: Path) -> None:
+    async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path) as r:
+        ds[0].d_linger = 1.0  # D closes its stream late: the client hangs up first
+        host, port = r.url.removeprefix("http://").split(":")
+        payload = json.dumps(_chat("hi")).encode()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"data: [DONE]"), 10)
+        writer.transport.abort()  # hang up the moment the reply is complete, as eager clients do
+        ev = (await _events_n(tmp_path, 1))[0]
+        assert ev["status"] == "ok" and ev.get("http_status", 200) == 200
+        assert ev["attrs"]["stored"] is True
