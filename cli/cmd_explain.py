@@ -67,6 +67,14 @@ def _progress_fn(console: Console, enabled: bool) -> tuple[Progress | None, Any]
     return bar, update
 
 
+def _note_unrecognised(stats: LineStats) -> None:
+    names = stats.unrecognised_files
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        click.echo(f"note: ignored {len(names)} file(s) in no known log format (client, router/proxy, vLLM, "
+                   f"kvdiag events): {shown}", err=True)
+
+
 @click.command("explain")
 @click.argument("logs", nargs=-1, required=True)
 @click.option("--conversation-id", "--conversation", "conversation_id", help="Explain this conversation's turns.")
@@ -78,7 +86,10 @@ def _progress_fn(console: Console, enabled: bool) -> tuple[Progress | None, Any]
 @click.option("--decoder-ttl", type=float, help="decoder_kv_blocks_ttl (s) to draw on the timeline.")
 def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversations: bool, as_json: bool,
             no_progress: bool, html_path: str | None, decoder_ttl: float | None) -> None:
-    """Explain KV reuse per turn from client, router/proxy, prefill and decode LOGS (globs, folders, .gz)."""
+    """Explain KV reuse per turn from client, router/proxy, prefill and decode LOGS (globs, folders, .gz).
+
+    Exit codes: 0 success, 2 conversation (or, with --all, any conversation) not found, 1 unreadable input.
+    """
     if bool(conversation_id) == all_conversations:
         raise click.UsageError("give exactly one of --conversation-id ID or --all")
     err = Console(stderr=True)
@@ -96,6 +107,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
             if bar is not None:
                 bar.stop()
     except ConversationNotFoundError as exc:
+        _note_unrecognised(stats)
         click.echo(f"Error: {exc}. Check the id, or add the client/router logs that carry it.", err=True)
         sys.exit(2)
     except UnreadableLogError as exc:
@@ -103,6 +115,11 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
     if stats.corrupt:
         first = f" (first: {stats.notes[0]})" if stats.notes else ""
         click.echo(f"note: skipped {stats.corrupt} corrupt line(s){first}", err=True)
+    _note_unrecognised(stats)
+    if not conversation_id and not convs:
+        click.echo("Error: no conversations found in the logs given. Pass the client, router/proxy, prefill and "
+                   "decode logs (files, globs or a folder); docs/verdicts.md lists the formats read.", err=True)
+        sys.exit(2)
     if html_path:
         try:
             written = render_conversations_html(convs, html_path, decoder_ttl=decoder_ttl,

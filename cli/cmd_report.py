@@ -57,6 +57,16 @@ def _load(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progress: b
                                    "(files, globs or a folder).") from None
 
 
+@contextmanager
+def _writing() -> Iterator[None]:
+    """Turn an output file that cannot be written into a one-line error naming it."""
+    try:
+        yield
+    except OSError as exc:
+        what = f"{exc.filename}: {exc.strerror or exc}" if exc.filename else f"an output file: {exc}"
+        raise click.ClickException(f"cannot write {what}. Pick a writable path in an existing folder.") from None
+
+
 def _console() -> Console:
     # Piped output gets a wide page so the tables' columns are not truncated to 80 characters.
     return Console() if sys.stdout.isatty() else Console(width=160)
@@ -123,10 +133,11 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
     console.print(f"Inter-turn gaps: {g.gaps_known} known, p50 {_cell(g.quantiles_s['p50'])} s, "
                   f"p95 {_cell(g.quantiles_s['p95'])} s; decode TTL {ttl_text}; share ≥ TTL {_cell(g.share_over_ttl)}; "
                   f"expired ratio {_cell(g.expired_ratio)}; missing-metadata ratio {_cell(g.missing_metadata_ratio)}")
-    for path in write_outputs(rep, csv=csv_path, parquet_path=parquet_path, json_path=json_path):
-        console.print(f"wrote {path}")
-    if html_path is not None:
-        console.print(f"wrote {write_html_report(df, html_path, decoder_ttl=ttl)}")
+    with _writing():
+        for path in write_outputs(rep, csv=csv_path, parquet_path=parquet_path, json_path=json_path):
+            console.print(f"wrote {path}")
+        if html_path is not None:
+            console.print(f"wrote {write_html_report(df, html_path, decoder_ttl=ttl)}")
 
 
 def _print_advice(adv: Advice) -> None:
@@ -159,14 +170,16 @@ def advise_cmd(logs: tuple[str, ...], as_json: bool, html_path: Path | None, dec
     """Recommend the decode TTL and kv_recompute_threshold, and check the configuration, from LOGS."""
     df, cfg = _load(logs, cache_dir, no_cache, no_progress, events_only)
     if df.empty:
-        raise click.ClickException("no turns found in the given logs; check the paths")
+        raise click.ClickException("no turns found in the given logs; check the paths (kvdiag explain --all LOGS "
+                                   "names the files it could not recognise)")
     adv = advise(df, decoder_ttl, config=cfg, router_ttl=router_ttl, bytes_per_token=kv_bytes_per_token)
     if as_json:
         click.echo(json.dumps(adv.to_json_dict(), indent=2))
     else:
         _print_advice(adv)
     if html_path is not None:
-        out = write_html_report(df, html_path, advice=adv)
+        with _writing():
+            out = write_html_report(df, html_path, advice=adv)
         click.echo(f"wrote {out}", err=as_json)
 
 

@@ -133,6 +133,8 @@ class _Turn:
         for cev in f.client_events:
             if cev.event.ttft_ms is not None:
                 r.ttft_ms = cev.event.ttft_ms  # the client's TTFT is the one users feel
+            if cev.event.status is not None:
+                r.status = cev.event.status  # likewise its status: a retried P attempt is no failed turn
         if r.start_ts is not None and r.latency_ms is not None:
             r.end_ts = r.start_ts + r.latency_ms / 1000.0
         s = f.client_stat
@@ -192,9 +194,11 @@ def _hung(facts: TurnFacts) -> VllmRecord | None:
 
 def _failed(facts: TurnFacts) -> tuple[str | None, Located | None]:
     """Why the turn itself failed (stock or instrumented), with the line that says so."""
-    # The client's own record wins: the router can log a late 499 for a reply the client read in full.
-    answered = any(ev.event.status == "ok" for ev in facts.client_events)
-    for ev in (*facts.client_events, *([] if answered else facts.router_events)):
+    # The client's own record wins: the router can log a late 499 for a reply the client read in full,
+    # and P's failed first attempt (the router retries without the handle) does not fail an answered turn.
+    if _answered(facts):
+        return None, None
+    for ev in (*facts.client_events, *facts.router_events):
         if ev.event.status in FAILED_STATUSES:
             http = f", HTTP {ev.event.http_status}" if ev.event.http_status else ""
             return f"status={ev.event.status}{http}", ev
@@ -215,22 +219,56 @@ def _failed(facts: TurnFacts) -> tuple[str | None, Located | None]:
     return None, None
 
 
+def _answered(facts: TurnFacts) -> bool:
+    return any(ev.event.status == "ok" for ev in facts.client_events)
+
+
 def _with_failure(reason: str, facts: TurnFacts, builder: _Turn) -> str:
     why, line = _failed(facts)
     if why is None:
-        return reason
+        retried = next((r for r in facts.p_records if r.kind == "kv_load_failed"), None)
+        if retried is None or not _answered(facts):
+            return reason
+        builder.rec.evidence.append(_ev(retried))
+        retry = "" if "retried without the handle" in reason else " after a retry without the handle"
+        return (f"{reason.rstrip('.')}; P failed that attempt on KV load failure (failure_policy=fail), yet the "
+                f"client got its answer{retry}")
     if line is not None:
         builder.rec.evidence.append(_ev(line))
     return f"{reason.rstrip('.')}; the turn failed ({why})"
 
 
+# A fix per missing-metadata cause named in the reason (first match wins: a failed turn may say "aborted").
+_METADATA_FIXES = (
+    ("not_streamed", "Run vLLM with PR #40186 (streamed responses then return kv_transfer_params) or send "
+                     "non-streamed requests."),
+    ("bidirectional_off_on_decode", "Set bidirectional_kv_xfer: true in D's kv_connector_extra_config; restart D."),
+    ("decode_failed", "Fix the previous turn's failure (see its reason): a failed turn stores no handle."),
+    ("prefill_failed", "Fix the previous turn's failure (see its reason): a failed turn stores no handle."),
+    ("client_disconnected", "The client left before the previous reply ended, so D's handle never reached the "
+                            "router: nothing to tune unless disconnects are common."),
+    ("aborted", "The previous turn was aborted (client cancel or timeout): nothing to tune unless aborts are common."),
+)
+
+
 def _fix_hint(rec: TurnRecord, ctx: Context) -> None:
-    if rec.verdict is Verdict.EXPIRED_REMOTE_READ and rec.gap_s is not None:
+    if rec.verdict is Verdict.METADATA_NOT_RETURNED:
+        rec.fix = next((fix for token, fix in _METADATA_FIXES if token in rec.reason), rec.fix)
+    elif rec.verdict is Verdict.UNKNOWN and "VLLM_LOGGING_LEVEL=DEBUG" in rec.reason:
+        rec.fix = ("Run P with VLLM_LOGGING_LEVEL=DEBUG, or load kvdiag's connector on P (docs/connector.md) for "
+                   "prefill events.")
+    elif rec.verdict is Verdict.EXPIRED_REMOTE_READ and rec.gap_s is not None:
         ttl = ctx.decode_ttl_s or DEFAULT_DECODE_TTL_S
-        rec.fix = (f"gap {rec.gap_s:.0f} s vs decoder_kv_blocks_ttl {ttl:.0f} s (P declines within 5 s of expiry): "
-                   "raise the TTL or expect recompute")
+        assumed = "" if ctx.decode_ttl_s else " (vLLM's default; D's startup line was not in the logs)"
+        if rec.gap_s >= ttl - 5:
+            rec.fix = (f"gap {rec.gap_s:.0f} s vs decoder_kv_blocks_ttl {ttl:.0f} s{assumed} (P declines within 5 s "
+                       "of expiry): raise the TTL or expect recompute")
+        else:  # the gap does not explain it: a shorter real TTL, or P's clock ahead of D's
+            real_ttl = "D's real TTL (its 'Bidirectional KV transfer is enabled' line) and " if assumed else ""
+            rec.fix = (f"gap {rec.gap_s:.0f} s is well inside decoder_kv_blocks_ttl {ttl:.0f} s{assumed}: check "
+                       f"{real_ttl}the clock sync (NTP) of P and D: P judges D's expiry time by its own clock")
     elif rec.verdict is Verdict.ROUTER_ENTRY_EXPIRED and rec.entry_age_s is not None and ctx.router_ttl_s:
-        rec.fix = (f"entry age {rec.entry_age_s:.0f} s > router TTL {ctx.router_ttl_s:.0f} s: raise the router TTL "
+        rec.fix = (f"entry age {rec.entry_age_s:.1f} s > router TTL {ctx.router_ttl_s:g} s: raise the router TTL "
                    "(keep it below decoder_kv_blocks_ttl − 5 s) or expect recompute")
 
 
@@ -456,19 +494,19 @@ def _metadata_not_returned(facts: TurnFacts, prev: TurnFacts, ctx: Context, b: _
     for rec in prev.d_records + prev.p_records + prev.other_records:
         if rec.kind == "aborted":
             return b.set(Verdict.METADATA_NOT_RETURNED, CONFIRMED, _with_failure(
-                f"aborted: turn {prev.turn} was aborted, so D returned no kv_transfer_params", facts, b), rec, miss)
+                f"turn {prev.turn} was aborted, so D returned no kv_transfer_params (aborted)", facts, b), rec, miss)
     why, line = _failed(prev)
     if why is not None:
         return b.set(Verdict.METADATA_NOT_RETURNED, CONFIRMED, _with_failure(
-            f"decode_failed: turn {prev.turn} failed ({why}), so no handle was stored", facts, b), line, miss)
+            f"turn {prev.turn} failed ({why}), so no handle was stored (decode_failed)", facts, b), line, miss)
     if ctx.d_bidir is False:
         return b.set(Verdict.METADATA_NOT_RETURNED, INFERRED, _with_failure(
-            "bidirectional_off_on_decode: D's log has no 'Bidirectional KV transfer is enabled' line; the proxy "
-            f"stored no handle after turn {prev.turn}", facts, b), miss)
+            f"the proxy stored no handle after turn {prev.turn} and D's log has no 'Bidirectional KV transfer is "
+            "enabled' line: bidirectional KV transfer is off on D (bidirectional_off_on_decode)", facts, b), miss)
     if ctx.d_bidir:
         return b.set(Verdict.METADATA_NOT_RETURNED, INFERRED, _with_failure(
-            f"not_streamed: D has bidirectional on, yet the proxy stored no handle after turn {prev.turn}: the "
-            "streamed response carried no kv_transfer_params (vLLM without PR #40186)", facts, b), miss)
+            f"D has bidirectional on, yet the proxy stored no handle after turn {prev.turn}: the streamed "
+            "response carried no kv_transfer_params, as vLLM without PR #40186 does (not_streamed)", facts, b), miss)
     return b.set(Verdict.METADATA_NOT_RETURNED, INFERRED, _with_failure(
         f"the proxy stored no handle after turn {prev.turn}; D's log would say why (bidirectional off, abort)",
         facts, b), miss)

@@ -116,7 +116,7 @@ def detect(paths: Iterable[str]) -> list[LogFile]:
             with open_binary(path) as fh:
                 head = fh.read(SNIFF_BYTES)
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            raise LogReadError(f"cannot read {path}: {exc}") from None
+            raise LogReadError(f"cannot read {path}: {_why(exc)}") from None
         files.append(LogFile(path=path, fmt=sniff_format(head), role=role_hint(path), size=size))
     return files
 
@@ -127,4 +127,11 @@ def iter_lines(path: str) -> Iterator[bytes]:
         with open_binary(path) as fh:
             yield from fh
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
-        raise LogReadError(f"cannot read {path}: {exc}") from None
+        raise LogReadError(f"cannot read {path}: {_why(exc)}") from None
+
+
+def _why(exc: BaseException) -> str:
+    # A log copied mid-rotation ends early: say so rather than repeat zlib's wording alone.
+    if isinstance(exc, (EOFError, gzip.BadGzipFile)):
+        return f"truncated or corrupt gzip file ({exc}); re-copy it or decompress what is left with zcat"
+    return str(exc)

@@ -78,11 +78,14 @@ class _Progress:
             self.fn(min(self.done, self.total), self.total)
 
 
-def _detect(paths: Iterable[str]) -> list[LogFile]:
+def _detect(paths: Iterable[str], stats: LineStats) -> list[LogFile]:
     try:
-        return detect(paths)
+        files = detect(paths)
     except LogReadError as exc:
         raise UnreadableLogError(str(exc)) from None
+    # Files no parser recognises are skipped, and named so the operator knows they were not read.
+    stats.unrecognised_files.extend(f.path for f in files if f.fmt == "unknown")
+    return files
 
 
 def _parse(index: LogIndex, f: LogFile, numbered: Iterable[tuple[int, bytes]]) -> None:
@@ -126,9 +129,9 @@ def _load(files: list[LogFile], index: LogIndex, lines_for: Callable[[LogFile], 
 
 def load_index(paths: Iterable[str], progress: ProgressFn | None = None) -> LogIndex:
     """Parse every input (vLLM logs through the keyword prefilter)."""
-    files = _detect(paths)
-    tick = _Progress(sum(f.size for f in files), progress, 1)
     index = LogIndex()
+    files = _detect(paths, index.stats)
+    tick = _Progress(sum(f.size for f in files), progress, 1)
     engine_logs = [f for f in files if f.fmt == "vllm"]
 
     def prefilter(f: LogFile) -> list[tuple[int, bytes]]:
@@ -208,9 +211,9 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
 
     ``stats`` (optional) receives the counts of the lines the prefilter kept (corrupt ones included).
     """
-    files = _detect(paths)
-    tick = _Progress(sum(f.size for f in files), progress, 2)
     index = LogIndex()
+    files = _detect(paths, index.stats if stats is None else stats)
+    tick = _Progress(sum(f.size for f in files), progress, 2)
     tags = id_tags(conversation_id)
     # JSON writers escape non-ASCII and quotes: look for that spelling too
     json_tags = [t.encode() for t in dict.fromkeys(tags + [json.dumps(t)[1:-1] for t in tags])]

@@ -32,6 +32,7 @@ class LineStats:
     corrupt: int = 0
     other: int = 0
     notes: list[str] = field(default_factory=list)
+    unrecognised_files: list[str] = field(default_factory=list)  # inputs matching no known log format
 
     def note(self, path: str, lineno: int, what: str) -> None:
         """Keep the first few corrupt-line notes (``file:line: what``) for the report."""
@@ -45,3 +46,4 @@ class LineStats:
         self.corrupt += other.corrupt
         self.other += other.other
         self.notes.extend(other.notes[: max(0, MAX_NOTES - len(self.notes))])
+        self.unrecognised_files.extend(other.unrecognised_files)

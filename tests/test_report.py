@@ -167,6 +167,16 @@ def test_cli_report_names_a_missing_input(tmp_path: Path) -> None:
     assert "nope.log" in res.output and "Hint" in res.output
 
 
+@pytest.mark.parametrize("option", ["--csv", "--parquet", "--json", "--html"])
+def test_cli_report_output_in_a_missing_folder_is_a_one_line_error(events_dir: Path, tmp_path: Path,
+                                                                    option: str) -> None:
+    target = tmp_path / "no-such-dir" / "out.file"
+    res = CliRunner().invoke(cli, ["report", str(events_dir), "--no-cache", "--no-progress", option, str(target)])
+    assert res.exit_code == 1, res.output
+    assert isinstance(res.exception, SystemExit), res.exception  # a raw OSError would be a traceback
+    assert "Error: cannot write" in res.output and "Pick a writable path" in res.output
+
+
 def test_quantiles_match_pandas_on_synthetic_traffic() -> None:
     df = build_turn_table(synthetic_conversations(SynthParams(conversations=60, seed=5)))
     ttft = ttft_by_bucket(df)
