@@ -92,6 +92,26 @@ def report_once(files: list[str], *, cache_dir: Path | None = None, events_only:
     return len(df)
 
 
+def stock_changes(files: list[str]) -> dict[str, int]:
+    """Per column, the turns whose value differs between the full table and the events-only one.
+
+    Why it matters: the report may skip the stock logs only where they change nothing; any non-zero
+    count here says the events alone do not decide the table (BENCHMARKS.md)."""
+    key = ["conversation_id", "turn"]
+    full = load_turn_table(files).sort_values(key).reset_index(drop=True)
+    events = load_turn_table(files, events_only=True).sort_values(key).reset_index(drop=True)
+    if len(full) != len(events) or not full[key].equals(events[key]):
+        return {"turns_only_in_one_table": len(set(map(tuple, full[key].to_numpy())) ^
+                                                   set(map(tuple, events[key].to_numpy())))}
+    out = {}
+    for col in full.columns:
+        a, b = full[col], events[col]
+        differ = ~((a == b).fillna(False).astype(bool) | (a.isna() & b.isna()))
+        if int(differ.sum()):
+            out[col] = int(differ.sum())
+    return out
+
+
 def cli_once(paths: list[str], extra: list[str]) -> float:
     exe = Path(sys.executable).with_name("kvdiag")
     t0 = time.perf_counter()
@@ -116,6 +136,7 @@ def run(name: str, paths: list[str], repeat: int, mixed: bool) -> dict[str, obje
     try:
         if mixed:
             res["turns_full_parse"] = report_once(files)
+            res["stock_changes"] = stock_changes(files)
         res["turns"] = report_once(files, cache_dir=cache, events_only=mixed)  # fills the cache
         cli_once(paths, ["--cache-dir", str(cache), *only])  # fills the config cache too
         variants: list[tuple[str, Callable[[], object]]] = [("duckdb_raw_scan", lambda: duckdb_raw_scan(files))]

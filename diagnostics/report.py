@@ -25,8 +25,9 @@ from kvdiag.exporters import parquet
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS, prompt_bucket, turn_bucket
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 
-# Bump when the table's columns change: it is part of the Parquet cache key.
-TABLE_VERSION: Final = 1
+# Bump when the table's columns (or how a path fills them) change: it is part of the Parquet cache key.
+# 2: the DuckDB path's reasons, confidence, statuses and unknown gaps now equal the parser's.
+TABLE_VERSION: Final = 2
 
 TABLE_COLUMNS: Final = (
     "conversation_id", "turn", "turn_bucket", "prompt_tokens", "prompt_bucket", "verdict", "reused",
@@ -317,7 +318,8 @@ def _clean_row(row: dict[str, Any]) -> dict[str, Any]:
 def build_report(df: pd.DataFrame, decoder_ttl_s: float | None = None) -> Report:
     """Compute every report section from the turn table."""
     if df.empty:
-        raise ReportError("no turns found in the given logs; check the paths (kvdiag explain lists what it parsed)")
+        raise ReportError("no turns found in the given logs; check the paths (kvdiag explain --all LOGS names the "
+                          "files it could not recognise)")
     return Report(table=df, by_turn=outcome_mix(df, "turn_bucket"), by_prompt=outcome_mix(df, "prompt_bucket"),
                   ttft=ttft_by_bucket(df), transfer=transfer_by_bucket(df), first_later=first_vs_later(df),
                   gaps=gap_summary(df, decoder_ttl_s))
@@ -330,8 +332,10 @@ def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = Non
     cache when ``cache_dir`` is set. Raises explain's LogReadError/ExplainError.
 
     ``fast``: when every input is a kvdiag event file, build the table in DuckDB (report_fast)
-    instead of explain's parser. ``events_only``: use only the event files among the inputs (stock
-    logs add nothing to turns the router's events already state; turns only they show are lost)."""
+    instead of explain's parser, unless report_fast finds turns only the parser joins (same table either
+    way). Stock logs always take the parser: they change rows the events state too (BENCHMARKS.md).
+    ``events_only``: use only the event files among the inputs (faster; but turns only stock logs show
+    are lost, and the fields and reasons stock lines add to the other turns are missing)."""
     files = expand_paths([str(p) for p in paths])
     if events_only:
         files = [f.path for f in detect(files) if f.fmt == "events"]
@@ -341,9 +345,10 @@ def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = Non
         cached = parquet.load_cached_table(files, cache_dir, TABLE_VERSION)
         if cached is not None:
             return normalize_table(cached)
-    if fast and all_events(files):
-        df = normalize_table(events_turn_table(files))
-    else:
+    fast_table = events_turn_table(files) if fast and all_events(files) else None
+    if fast_table is not None:
+        df = normalize_table(fast_table)
+    else:  # stock logs, or events only explain's correlator can join (report_fast says which)
         df = build_turn_table(load_turns(files, progress=progress))
     if cache_dir is not None:
         parquet.store_cached_table(df, files, cache_dir, TABLE_VERSION)

@@ -4,8 +4,10 @@ When every input is a kvdiag event file (client/router JSON lines), the per-turn
 stated by the router (outcome merged with P's report) and the client (TTFT, duration): DuckDB scans
 them at its own speed instead of Python parsing each line. The rules mirror the classifier's
 instrumented path (kvdiag.diagnostics.classify): per field the client's value wins over the
-router's, the outcome is the router's (else the client's), and a non-ok status wins.
-tests/test_report_fast.py checks that both paths give the same table.
+router's, the outcome is the router's (else the client's), the client's status wins, and the reason
+is built as the classifier builds it. Where the events have a shape only explain's correlator joins
+(see _needs_correlator_sql) the fast path declines (None) rather than differ.
+tests/test_report_fast.py checks that both paths give the same table (``DataFrame.equals``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Final
 import duckdb
 import pandas as pd
 
+from kvdiag.diagnostics.classify import FAILED_STATUSES
+from kvdiag.diagnostics.correlate import HASH_PREFIX_LENGTHS
 from kvdiag.diagnostics.detect import detect
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS
-from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
+from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, VERDICT_INFO, Verdict
 
 _PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
@@ -27,7 +31,7 @@ _COLUMNS: Final = {
     "local_hit_tokens": "BIGINT", "remote_offered_tokens": "BIGINT", "remote_read_tokens": "BIGINT",
     "computed_tokens": "BIGINT", "transfer_bytes": "BIGINT", "transfer_ms": "DOUBLE", "ttft_ms": "DOUBLE",
     "duration_ms": "DOUBLE", "prefill_ms": "DOUBLE", "gap_s": "DOUBLE", "entry_age_s": "DOUBLE",
-    "outcome": "VARCHAR", "reason": "VARCHAR", "failure_type": "VARCHAR", "status": "VARCHAR",
+    "outcome": "VARCHAR", "reason": "VARCHAR", "failure_type": "VARCHAR", "status": "VARCHAR", "http_status": "BIGINT",
 }
 # Fields taken client-first, then router (the classifier's order).
 _FIELDS: Final = ("model", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
@@ -41,52 +45,64 @@ _RENAME: Final = {"ts": "start_ts", "duration_ms": "latency_ms", "remote_read_to
 
 def _scan_sql() -> str:
     cols = ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items())
-    # k: a 64-bit key per (source, turn) so the duplicate check is an integer count-distinct.
+    # k: a 64-bit key per (source, turn) so the duplicate check is an integer count-distinct. Engine
+    # (prefill/decode) events and turn events without ids are kept only for _needs_correlator_sql.
     return (f"SELECT *, hash(source, conversation_id, turn) AS k FROM read_json($files, "
             f"format = 'newline_delimited', columns = {{{cols}}}, ignore_errors = true) "
-            "WHERE event IN ('client_turn', 'router_turn') AND conversation_id IS NOT NULL AND turn IS NOT NULL")
+            "WHERE event IN ('client_turn', 'router_turn') OR source IN ('prefill', 'decode')")
 
 
-def _pick(name: str) -> str:
-    target = _RENAME.get(name, name)
-    return (f"coalesce(first({name}) FILTER (WHERE source = 'client' AND {name} IS NOT NULL), "
-            f"first({name}) FILTER (WHERE source = 'router' AND {name} IS NOT NULL)) AS {target}")
+_TURN_EVENTS: Final = ("SELECT * FROM raw WHERE event IN ('client_turn', 'router_turn') "
+                       "AND conversation_id IS NOT NULL AND turn IS NOT NULL")
 
 
-def _merge_sql() -> str:
-    # The general case (client and router events, or repeated events): one row per turn by the
-    # classifier's precedence. Costlier than the plain scan, so only used when needed.
-    picks = ",\n  ".join(_pick(f) for f in (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens"))
-    return f"""
-SELECT conversation_id, turn,
-  first(request_id) FILTER (WHERE request_id IS NOT NULL) AS request_id,
-  {picks},
-  coalesce(first(outcome) FILTER (WHERE source = 'router' AND outcome IN ({_KNOWN})),
-           first(outcome) FILTER (WHERE source = 'client' AND outcome IN ({_KNOWN})), 'unknown') AS verdict,
-  coalesce(first(reason) FILTER (WHERE source = 'router' AND reason IS NOT NULL),
-           first(reason) FILTER (WHERE source = 'client' AND reason IS NOT NULL), '') AS reason,
-  coalesce(first(status) FILTER (WHERE status IS NOT NULL AND status <> 'ok'),
-           first(status) FILTER (WHERE status IS NOT NULL)) AS status
-FROM scanned GROUP BY conversation_id, turn
-"""
+_FAILED: Final = ", ".join(f"'{s}'" for s in FAILED_STATUSES)
 
 
-def _join_sql() -> str:
-    # Client and router events, at most one of each per turn: a hash join, much cheaper than
-    # per-field filtered aggregates.
-    picks = ",\n  ".join(f"coalesce(c.{f}, r.{f}) AS {_RENAME.get(f, f)}"
+def _why_failed(side: str) -> str:
+    # classify._failed's text for a failed status: "status=X" plus ", HTTP n" when stated.
+    return (f"'status=' || {side}.status || CASE WHEN coalesce({side}.http_status, 0) <> 0 "
+            f"THEN ', HTTP ' || {side}.http_status ELSE '' END")
+
+
+def _turns_sql(sides: tuple[str, ...]) -> str:
+    """One row per turn from router (r) and/or client (c) events, at most one of each per turn.
+
+    The classifier's instrumented path in SQL: per field the client's value, else the router's; the
+    router's outcome, else the client's; the client's status (the router's only when the client states
+    none); and the parts the reason is built from (the deciding event's reason and failure_type, the
+    failed status)."""
+    def col(side: str, name: str) -> str:
+        return f"{side}.{name}" if side in sides else "NULL"
+
+    def first(name: str) -> str:
+        return f"coalesce({col('c', name)}, {col('r', name)})"
+
+    picks = ",\n  ".join(f"{first(f)} AS {_RENAME.get(f, f)}"
                           for f in (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens"))
-    return f"""
-WITH r AS (SELECT * FROM scanned WHERE source = 'router'), c AS (SELECT * FROM scanned WHERE source = 'client')
-SELECT coalesce(r.conversation_id, c.conversation_id) AS conversation_id, coalesce(r.turn, c.turn) AS turn,
-  coalesce(r.request_id, c.request_id) AS request_id,
+    router_decides = f"{col('r', 'outcome')} IN ({_KNOWN})"
+    fail = [f"WHEN {col('c', 'status')} IN ({_FAILED}) THEN {_why_failed('c') if 'c' in sides else 'NULL'}"]
+    if "r" in sides:  # the router's failure counts only when the client did not get its answer
+        answered = f"coalesce({col('c', 'status')} = 'ok', false)"
+        fail.append(f"WHEN NOT {answered} AND r.status IN ({_FAILED}) THEN {_why_failed('r')}")
+    if sides == ("r", "c"):
+        source = ("r FULL OUTER JOIN c ON r.conversation_id = c.conversation_id AND r.turn = c.turn")
+        with_ = ("WITH r AS (SELECT * FROM scanned WHERE source = 'router'), "
+                 "c AS (SELECT * FROM scanned WHERE source = 'client') ")
+    else:
+        source, with_ = f"scanned AS {sides[0]}", ""
+    return f"""{with_}
+SELECT {first('conversation_id')} AS conversation_id, {first('turn')} AS turn,
+  coalesce({col('r', 'request_id')}, {col('c', 'request_id')}) AS request_id,
   {picks},
-  CASE WHEN r.outcome IN ({_KNOWN}) THEN r.outcome WHEN c.outcome IN ({_KNOWN}) THEN c.outcome
-       ELSE 'unknown' END AS verdict,
-  CASE WHEN r.outcome IN ({_KNOWN}) THEN coalesce(r.reason, '') ELSE coalesce(c.reason, r.reason, '') END AS reason,
-  CASE WHEN c.status IS NOT NULL AND c.status <> 'ok' THEN c.status
-       WHEN r.status IS NOT NULL AND r.status <> 'ok' THEN r.status ELSE coalesce(c.status, r.status) END AS status
-FROM r FULL OUTER JOIN c ON r.conversation_id = c.conversation_id AND r.turn = c.turn
+  CASE WHEN {router_decides} THEN {col('r', 'outcome')} WHEN {col('c', 'outcome')} IN ({_KNOWN})
+       THEN {col('c', 'outcome')} ELSE 'unknown' END AS verdict,
+  {col('r', 'outcome')} AS router_outcome,
+  CASE WHEN {router_decides} THEN {col('r', 'reason')} ELSE {col('c', 'reason')} END AS decided_reason,
+  CASE WHEN {router_decides} THEN {col('r', 'failure_type')} ELSE {col('c', 'failure_type')} END AS decided_ft,
+  CASE {' '.join(fail)} END AS failed_why,
+  {first('status')} AS status
+FROM {source}
 """
 
 
@@ -99,13 +115,25 @@ def _in(verdicts: frozenset[Verdict]) -> str:
 
 def _final_sql(gap_window: bool) -> str:
     # Every derived column of report.build_turn_table, vectorized in DuckDB (strings stay Arrow).
-    gap = ("coalesce(gap_s, CASE WHEN turn > 1 THEN greatest(0.0, start_ts - lag(start_ts + latency_ms / 1000.0) "
-           "OVER (PARTITION BY conversation_id ORDER BY turn)) END)" if gap_window else "gap_s")
+    # A CASE, not greatest(0.0, x): DuckDB's greatest skips NULLs, so a turn whose start or the previous
+    # turn's end is unknown got a 0 s gap instead of none (build_turn_table leaves it unknown).
+    since = "start_ts - lag(start_ts + latency_ms / 1000.0) OVER (PARTITION BY conversation_id ORDER BY turn)"
+    gap = (f"coalesce(gap_s, CASE WHEN turn > 1 THEN CASE WHEN {since} < 0 THEN 0.0 ELSE {since} END END)"
+           if gap_window else "gap_s")
     edges = " ".join(f"WHEN prompt_tokens < {e} THEN '{b}'" for e, b in zip(_PROMPT_EDGES, PROMPT_BUCKETS,
                                                                                 strict=False))
     reasons = " ".join(f"WHEN contains(reason, '{n}') THEN '{n}'" for n in MISSING_METADATA_REASONS)
+    summaries = " ".join(f"WHEN '{v.value}' THEN '{VERDICT_INFO[v].summary.replace(chr(39), chr(39) * 2)}'"
+                         for v in Verdict)
+    # classify._instrumented's reason: the deciding event's (else the verdict's summary), its failure_type,
+    # and the failed status (classify._with_failure) unless the verdict already is request_failed.
+    base = f"coalesce(nullif(decided_reason, ''), CASE verdict {summaries} END)"
+    typed = (f"CASE WHEN coalesce(decided_ft, '') <> '' AND NOT contains({base}, decided_ft) "
+             f"THEN {base} || ' (failure_type=' || decided_ft || ')' ELSE {base} END")
     return f"""
-SELECT * EXCLUDE (gap_s, verdict),
+WITH t AS (SELECT *, CASE WHEN failed_why IS NOT NULL AND verdict <> '{Verdict.REQUEST_FAILED.value}'
+  THEN rtrim({typed}, '.') || '; the turn failed (' || failed_why || ')' ELSE {typed} END AS reason FROM turns)
+SELECT * EXCLUDE (gap_s, verdict, router_outcome, decided_reason, decided_ft, failed_why),
   CASE WHEN verdict IN ({_KNOWN}) THEN verdict ELSE 'unknown' END AS verdict,
   {gap} AS gap_s,
   start_ts + latency_ms / 1000.0 AS end_ts,
@@ -114,10 +142,11 @@ SELECT * EXCLUDE (gap_s, verdict),
   CASE WHEN prompt_tokens IS NULL THEN NULL {edges} ELSE '{PROMPT_BUCKETS[-1]}' END AS prompt_bucket,
   verdict IN ({_in(REUSED_VERDICTS)}) AS reused,
   verdict IN ({_in(ELIGIBLE_VERDICTS)}) AS eligible,
-  CASE WHEN verdict IN ({_KNOWN}) THEN 'confirmed' ELSE 'inferred' END AS confidence,
+  CASE WHEN starts_with(coalesce(decided_reason, ''), 'inferred') THEN 'inferred' ELSE 'confirmed' END
+    AS confidence,
   CASE WHEN verdict <> '{Verdict.METADATA_NOT_RETURNED.value}' THEN NULL {reasons} ELSE 'unknown' END
     AS metadata_reason
-FROM turns
+FROM t
 """
 
 
@@ -126,25 +155,71 @@ def all_events(files: Sequence[str]) -> bool:
     return bool(files) and all(f.fmt == "events" for f in detect(files))
 
 
-def events_turn_table(files: Sequence[str]) -> pd.DataFrame:
-    """The turn table (report.TABLE_COLUMNS) from event files, computed in DuckDB."""
+def _engine_field_checks() -> str:
+    # A prefill event states a field the client and router events leave unknown: the classifier takes it.
+    names = (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens", "status")
+    return " OR ".join(f"(p.{f} IS NOT NULL AND t.{_RENAME.get(f, f)} IS NULL)" for f in names)
+
+
+def _needs_correlator_sql(engine_events: bool) -> str:
+    """Count the shapes the SQL does not model, where explain's correlator and classifier decide.
+
+    Turn events without a conversation or turn (joined through request ids), a missing timestamp or
+    request id, a request id on two turns, a conversation logged under another's hashed tag
+    (correlate.id_tags), and engine events that would change a turn: unattached, a non-ok status, an
+    outcome where the router's is missing or only inferred, or a field nobody else states. Zero (and no
+    turn without a decided verdict, checked on the result): the SQL table equals the parser's."""
+    # Equi-joins (a UNION per tag length): an OR join condition would compare every pair of ids.
+    tags = " UNION ALL ".join(f"SELECT id, left(d, {n}) AS tag FROM h" for n in HASH_PREFIX_LENGTHS)
+    engine = "" if not engine_events else f"""+ (SELECT count(*) FROM p LEFT JOIN turns t ON p.request_id = t.request_id
+     WHERE t.request_id IS NULL
+        OR (p.source = 'prefill' AND ((p.status IS NOT NULL AND p.status <> 'ok')
+            OR (p.outcome IS NOT NULL AND p.outcome <> 'unknown' AND (t.router_outcome IS NULL
+                OR t.router_outcome NOT IN ({_KNOWN}) OR starts_with(coalesce(t.decided_reason, ''), 'inferred')))
+            OR {_engine_field_checks()})))
+"""
+    return f"""
+WITH ids AS (SELECT DISTINCT conversation_id FROM scanned),
+h AS (SELECT conversation_id AS id, sha256(conversation_id) AS d FROM ids),
+p AS (SELECT * FROM raw WHERE source IN ('prefill', 'decode'))
+SELECT
+  (SELECT count(*) FROM raw WHERE event IN ('client_turn', 'router_turn')
+     AND (conversation_id IS NULL OR turn IS NULL OR request_id IS NULL OR ts IS NULL))
++ (SELECT count(*) FROM (SELECT request_id FROM scanned GROUP BY request_id
+     HAVING count(DISTINCT hash(conversation_id, turn)) > 1))
++ (SELECT count(*) FROM ids a JOIN ({tags}) b ON a.conversation_id = b.tag AND a.conversation_id <> b.id)
+{engine}"""
+
+
+def events_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
+    """The turn table (report.TABLE_COLUMNS) from event files, computed in DuckDB.
+
+    None when the events have a shape only explain's correlator decides (anonymous or repeated turn
+    events, engine events that change a turn...): the caller then parses them (the table must not differ)."""
     con = duckdb.connect()
     try:
         # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
-        con.execute("CREATE TEMP TABLE scanned AS " + _scan_sql(), {"files": list(files)})
-        # A hash collision only sends the run down the (exact) merge path.
+        con.execute("CREATE TEMP TABLE raw AS " + _scan_sql(), {"files": list(files)})
+        con.execute("CREATE TEMP VIEW scanned AS " + _TURN_EVENTS)
+        # Repeated events (or a hash collision) go to the parser: which one wins is its call.
         dups, sources = con.sql("SELECT count(*) - count(DISTINCT k), count(DISTINCT source) FROM scanned"
                                 ).fetchall()[0]
-        if dups == 0 and sources <= 1:
-            # One event per turn (the router's, usually): the scan already is the table.
-            keep = ["conversation_id", "turn", "request_id", "ttft_ms", "reason", "status", *_FIELDS, *_RENAME]
-            turns_sql = f"SELECT {', '.join(f'{c} AS {_RENAME.get(c, c)}' for c in keep)} FROM scanned"
-        else:
-            turns_sql = _join_sql() if dups == 0 else _merge_sql()
-        df = con.sql(f"WITH turns AS ({turns_sql}) {_final_sql(False)}").to_arrow_table().to_pandas()
+        if dups:
+            return None
+        present = {row[0] for row in con.sql("SELECT DISTINCT source FROM scanned").fetchall()}
+        sides = ("r", "c") if sources > 1 else ("c",) if present == {"client"} else ("r",)
+        engine_events = bool(con.sql("SELECT count(*) FROM raw WHERE source IN ('prefill', 'decode')"
+                                     ).fetchall()[0][0])
+        # A table only when the engine-event check reads it too; else the join streams into the result.
+        con.execute(f"CREATE TEMP {'TABLE' if engine_events else 'VIEW'} turns AS " + _turns_sql(sides))
+        if con.sql(_needs_correlator_sql(engine_events)).fetchall()[0][0]:
+            return None
+        df = con.sql(_final_sql(False)).to_arrow_table().to_pandas()
+        if bool((df["verdict"] == Verdict.UNKNOWN.value).any()):
+            return None  # a turn no event decides: the stock rules (explain) say what it was
         if bool(((df["turn"] > 1) & df["gap_s"].isna()).any()):
             # The router states each later turn's gap; only when some is missing pay for the window.
-            df = con.sql(f"WITH turns AS ({turns_sql}) {_final_sql(True)}").to_arrow_table().to_pandas()
+            df = con.sql(_final_sql(True)).to_arrow_table().to_pandas()
     finally:
         con.close()
     df["reason"] = df["reason"].fillna("")

@@ -1,4 +1,9 @@
-"""The DuckDB fast path gives the same turn table as explain's parser + build_turn_table."""
+"""The DuckDB fast path gives the same turn table as explain's parser + build_turn_table, or declines.
+
+"Same" is ``DataFrame.equals`` on the whole table (reasons included) after sorting by turn; where the
+events have a shape only explain's correlator joins (anonymous or repeated turns, engine events that
+change a turn, stock logs), events_turn_table returns None and load_turn_table parses instead.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +13,22 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from kvdiag.diagnostics.correlate import id_tags
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.report import ReportError, build_turn_table, load_turn_table, normalize_table
 from kvdiag.diagnostics.report_fast import all_events, events_turn_table
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
+from kvdiag.schema.verdicts import Verdict
 
-# The free-text reason may differ (the classifier appends failure context); every number,
-# bucket, verdict and derived flag must not.
-COMPARED = [c for c in normalize_table(build_turn_table([])).columns if c != "reason"]
+KEY = ["conversation_id", "turn"]
 
 
 def _convs() -> list:  # type: ignore[type-arg]
     convs = synthetic_conversations(SynthParams(conversations=60, seed=21, missing_metadata_share=0.1))
-    convs[0].turns[1].status = "error"
+    convs[0].turns[1].status = "error"  # the reason then says the turn failed
     convs[2].turns[0].status = "timeout"
+    convs[3].turns[1].reason = "inferred: P failed the first leg."  # an inferred outcome, and a trailing dot
+    convs[4].turns[1].reason = ""  # no reason: the verdict's summary
     return convs
 
 
@@ -31,29 +38,40 @@ def _write(path: Path, lines: list[str]) -> str:
 
 
 def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
-    key = ["conversation_id", "turn"]
-    a = a.sort_values(key).reset_index(drop=True)[COMPARED]
-    b = b.sort_values(key).reset_index(drop=True)[COMPARED]
-    pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-9)
+    a, b = (x.sort_values(KEY).reset_index(drop=True) for x in (a, b))
+    pd.testing.assert_frame_equal(a, b, check_exact=True)  # the message says which column differs
+    assert a.equals(b)
 
 
-@pytest.mark.parametrize("layout", ["router", "router+client", "router+client+duplicate", "no-router-gaps"])
+def _parsed(files: list[str]) -> pd.DataFrame:
+    return build_turn_table(load_turns(files))
+
+
+@pytest.mark.parametrize("layout", ["router", "router+client", "router+client+duplicate", "no-router-gaps",
+                                    "no-router-gaps-or-durations", "client"])
 def test_fast_path_matches_the_parser(tmp_path: Path, layout: str) -> None:
     convs = _convs()
     router = list(router_events(convs))
-    if layout == "no-router-gaps":  # the gap must then come from start and duration
-        router = [json.dumps({k: v for k, v in json.loads(line).items() if k != "gap_s"}) for line in router]
-    files = [_write(tmp_path / "router-events.jsonl", router)]
-    if layout != "router" and layout != "no-router-gaps":
+    if layout.startswith("no-router-gaps"):  # the gap must then come from start and duration
+        # ...or stay unknown when no event states a duration (gen_logs.py's router events): not 0 s.
+        dropped = {"gap_s", "duration_ms"} if layout.endswith("durations") else {"gap_s"}
+        router = [json.dumps({k: v for k, v in json.loads(line).items() if k not in dropped}) for line in router]
+    files = [] if layout == "client" else [_write(tmp_path / "router-events.jsonl", router)]
+    if layout in ("router+client", "router+client+duplicate", "client"):
         client = list(client_events(convs))
         if layout.endswith("duplicate"):
             client.append(client[3])  # a repeated record forces the aggregate (merge) path
         files.append(_write(tmp_path / "client.jsonl", client))
     assert all_events(files)
-    fast = normalize_table(events_turn_table(files))
-    slow = build_turn_table(load_turns(files))
-    assert len(fast) == sum(len(c.turns) for c in convs)
-    _same(fast, slow)
+    slow = _parsed(files)
+    assert len(slow) == sum(len(c.turns) for c in convs)
+    fast = events_turn_table(files)
+    if layout.endswith("duplicate") or layout == "client":
+        assert fast is None  # which repeated record wins, or a turn no event decides: the parser's call
+    else:
+        assert fast is not None
+        _same(normalize_table(fast), slow)
+    _same(load_turn_table(files), slow)
 
 
 def test_fast_path_skips_corrupt_lines_and_mixed_inputs_use_the_parser(tmp_path: Path) -> None:
@@ -61,7 +79,8 @@ def test_fast_path_skips_corrupt_lines_and_mixed_inputs_use_the_parser(tmp_path:
     lines = list(router_events(convs))
     lines.insert(5, '{"v": 1, "ts": "not a number", broken')
     files = [_write(tmp_path / "router-events.jsonl", lines)]
-    assert len(events_turn_table(files)) == sum(len(c.turns) for c in convs)
+    fast = events_turn_table(files)
+    assert fast is not None and len(fast) == sum(len(c.turns) for c in convs)
     stock = _write(tmp_path / "decode.log", [
         "(EngineCore_DP0 pid=1) INFO 11-29 06:54:50 [base_scheduler.py:188] Bidirectional KV transfer is enabled "
         "and the kv recompute threshold is set to 64 tokens.KV blocks on D are released after a TTL of 480 seconds."])
@@ -70,3 +89,66 @@ def test_fast_path_skips_corrupt_lines_and_mixed_inputs_use_the_parser(tmp_path:
     assert len(events) == sum(len(c.turns) for c in convs)
     with pytest.raises(ReportError, match="no kvdiag event files"):
         load_turn_table([stock], events_only=True)
+
+
+def _demo_like(tmp_path: Path, shape: str) -> list[str]:
+    """Router + client (+ prefill) events with one shape a real demo run logs (kvdiag demo's conversations)."""
+    convs = _convs()
+    router = [json.loads(line) for line in router_events(convs)]
+    client = [json.loads(line) for line in client_events(convs)]
+    prefill = [{"v": 1, "ts": r["ts"], "source": "prefill", "event": "prefill_request", "request_id": r["request_id"],
+                "prompt_tokens": r["prompt_tokens"]} for r in router]
+    for r, p in zip(router, prefill, strict=True):
+        if not r.get("reason", "").startswith("inferred"):  # P's outcome would override an inferred one
+            p["outcome"] = r["outcome"]
+    if shape == "anonymous":  # demo-anon: the client sent no conversation_id; the router logs none
+        del router[0]["conversation_id"], router[1]["conversation_id"]
+    elif shape == "concurrent":  # demo-dup: the same turn sent twice, two requests
+        router.append({**router[5], "request_id": "dup-" + router[5]["request_id"], "ts": router[5]["ts"] + 0.01})
+    elif shape == "inferred":  # the router only inferred the outcome; P's event states what P did
+        router[7]["reason"] = "inferred: prefill leg failed"
+        prefill[7]["outcome"] = Verdict.EXPIRED_REMOTE_READ.value
+    elif shape == "prefill-status":  # P failed the request and the client states no status: P's counts
+        prefill[9]["status"] = "error"
+        del client[9]["status"]
+    elif shape == "prefill-field":  # P states a number neither client nor router does
+        router[9].pop("computed_tokens", None)
+        prefill[9]["computed_tokens"] = 12
+    elif shape == "hashed-tag":  # a router logging the hashed conversation tag instead of the id
+        router[2]["conversation_id"] = id_tags(router[2]["conversation_id"])[1]
+    elif shape == "unattached-engine-event":
+        # an engine event no turn event names, but stating its conversation and turn: a turn of its own
+        prefill.append({**prefill[0], "request_id": "nobody-sent-this", "conversation_id": "conv-00000",
+                        "turn": 99})
+    return [_write(tmp_path / name, [json.dumps(x) for x in rows])
+            for name, rows in (("router-events.jsonl", router), ("client.jsonl", client),
+                               ("prefill-events.jsonl", prefill))]
+
+
+@pytest.mark.parametrize("shape", ["anonymous", "concurrent", "inferred", "prefill-status", "prefill-field",
+                                   "hashed-tag", "unattached-engine-event"])
+def test_events_only_the_correlator_joins_decline_the_fast_path(tmp_path: Path, shape: str) -> None:
+    files = _demo_like(tmp_path, shape)
+    assert events_turn_table(files) is None
+    _same(load_turn_table(files), _parsed(files))
+
+
+def test_redundant_prefill_events_keep_the_fast_path(tmp_path: Path) -> None:
+    # gen_logs.py's shape: P's events restate what the router says; they change no turn.
+    files = _demo_like(tmp_path, "plain")
+    fast = events_turn_table(files)
+    assert fast is not None
+    _same(normalize_table(fast), _parsed(files))
+
+
+def test_a_turn_only_stock_logs_show_forces_the_full_parse(tmp_path: Path) -> None:
+    convs = _convs()
+    files = [_write(tmp_path / "router-events.jsonl", list(router_events(convs)))]
+    stats = [{"conversation_id": "stock-only", "turn": 1, "input_num_tokens": 300, "output_num_tokens": 20,
+              "ttft_ms": 80.0, "latency_ms": 400.0, "start_time_ms": 1.7e12}]
+    files.append(_write(tmp_path / "client-stats.jsonl", [json.dumps(s) for s in stats]))
+    assert not all_events(files)
+    table = load_turn_table(files)
+    _same(table, _parsed(files))
+    assert "stock-only" in set(table["conversation_id"])
+    assert len(table) == sum(len(c.turns) for c in convs) + 1
