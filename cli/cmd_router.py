@@ -6,7 +6,6 @@ lists (``--prefiller-hosts a b --prefiller-ports 8100 8101``) and the singular a
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import click
 
 from kvdiag.router.config import DEFAULT_DECODER_KV_BLOCKS_TTL, ConfigError, RouterConfig, Upstream
 from kvdiag.router.store import StoreError
+from kvdiag.schema.process import run_event_loop
 
 # Options that take several space-separated values, as argparse's nargs="+" in the example proxy.
 _LIST_OPTIONS = frozenset({"--prefiller-hosts", "--prefiller-host", "--prefiller-ports", "--prefiller-port",
@@ -98,21 +98,12 @@ def router(**opts: Any) -> None:
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        _run(_serve(config, opts["ready_file"]))
+        run_event_loop(_serve(config, opts["ready_file"]))
     except StoreError as exc:
         raise click.ClickException(f"{exc}. Start Redis or use --state memory.") from None
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {exc}. "
                                    "Pick another --port (0 = any free port).") from None
-
-
-def _run(coro: Any) -> None:
-    try:
-        import uvloop  # noqa: PLC0415 - optional speed-up
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
 
 
 async def _serve(config: RouterConfig, ready_file: Path | None) -> None:

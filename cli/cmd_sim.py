@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import click
 
+from kvdiag.schema.process import run_event_loop
 from kvdiag.sim.config import ConfigError, EngineConfig
 from kvdiag.sim.faults import POLICIES, FaultError, parse_fail_transfers
 from kvdiag.sim.server import serve
@@ -97,18 +97,9 @@ def _run(role: str, opts: dict[str, Any]) -> None:
     if config.events_file and not config.instrumented:
         raise click.ClickException("--events-file needs --mode instrumented (stock mode writes only vLLM's logs)")
     try:
-        _run_loop(serve(config, ready_file))
+        run_event_loop(serve(config, ready_file))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {config.host}: {exc}; pick another --port or use 0") from None
-
-
-def _run_loop(coro: Any) -> None:
-    try:
-        import uvloop  # noqa: PLC0415 - optional speed-up (a dependency on Linux)
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
 
 
 def _run_vllm(role: str, opts: dict[str, Any], ready_file: str | None) -> None:

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from typing import Any
 import prometheus_client
 from aiohttp import web
 
+from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
 from kvdiag.sim.tokenizer import detokenize, generate_reply, render_chat, token_text, tokenize
 
 _logger = logging.getLogger(__name__)
@@ -367,16 +367,10 @@ async def serve(opts: Options) -> None:
     await site.start()
     port = runner.addresses[0][1]
     if opts.ready_file:
-        tmp = Path(opts.ready_file + ".tmp")
-        tmp.write_text(json.dumps({"port": port, "side_channel_port": backend.engine.side_channel_port,
-                                   "pid": os.getpid(), "engine_id": backend.engine_id}))
-        tmp.replace(opts.ready_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        write_ready_file(opts.ready_file, {"port": port, "side_channel_port": backend.engine.side_channel_port,
+                                           "engine_id": backend.engine_id})
     task = asyncio.create_task(backend.run())
-    await stop.wait()
+    await wait_for_stop_signal()
     backend.close()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -18,10 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
-import os
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +33,7 @@ from kvdiag.router.flow import TurnFlow
 from kvdiag.router.store import MemoryStore, RedisStore, Store, StoreError
 from kvdiag.router.telemetry import EVENT_FLUSH_INTERVAL, RouterTelemetry
 from kvdiag.router.upstream import Upstreams
+from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -204,19 +202,12 @@ async def serve(config: RouterConfig, ready_file: Path | None = None,
     """Run the router until SIGTERM/SIGINT (the CLI's main loop); write ``ready_file`` once listening."""
     handle = await start_router(config)
     _freeze_startup_objects()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     try:
         if ready_file is not None:
-            tmp = ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"port": handle.port, "pid": os.getpid(), "url": handle.url}))
-            tmp.replace(ready_file)
+            write_ready_file(ready_file, {"port": handle.port, "url": handle.url})
         if on_ready is not None:
             on_ready(handle)
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         await handle.close()
 

@@ -15,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
 from kvdiag.sim import vllm_log as vl
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.engine import Engine, KVLoadFailed, RequestFailed, RequestState
@@ -341,19 +339,12 @@ async def start_engine(config: EngineConfig) -> EngineHandle:
 async def serve(config: EngineConfig, ready_file: str | None = None) -> None:
     """Run one engine until SIGTERM/SIGINT; write ``ready_file`` once listening."""
     handle = await start_engine(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     if ready_file:
-        tmp = Path(ready_file).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": handle.port, "side_channel_port": handle.side_channel_port,
-                                   "pid": os.getpid(), "engine_id": handle.engine_id}))
-        tmp.replace(ready_file)
+        write_ready_file(ready_file, {"port": handle.port, "side_channel_port": handle.side_channel_port,
+                                      "engine_id": handle.engine_id})
     print(f"kvdiag sim {config.role}: serving on {handle.url} (side channel {handle.side_channel_port}, "
           f"engine_id {handle.engine_id})", flush=True)
     try:
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         await handle.close()
