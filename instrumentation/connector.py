@@ -251,24 +251,23 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
-        try:
-            tracked = self._tracked.pop(request.request_id, None)
-            if tracked is not None:
-                params = self._on_finished(request, tracked, delay, params)
-        except Exception as exc:
-            self.kvdiag_guard.caught(exc)
-        return delay, params
+        return delay, self._observe_finished(request, delay, params)
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
+        return delay, self._observe_finished(request, delay, params)
+
+    def _observe_finished(self, request: Any, delay: bool,
+                          params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Record a finished request (both finish hooks); vLLM's params come back unchanged on any error."""
         try:
             tracked = self._tracked.pop(request.request_id, None)
             if tracked is not None:
-                params = self._on_finished(request, tracked, delay, params)
+                return self._on_finished(request, tracked, delay, params)
         except Exception as exc:
             self.kvdiag_guard.caught(exc)
-        return delay, params
+        return params
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.connector_worker is not None:
