@@ -77,18 +77,22 @@ class Component:
 
     @classmethod
     def start(cls, name: str, args: list[str], out_dir: Path, *, ready_timeout: float = READY_TIMEOUT_S,
-              env: dict[str, str] | None = None) -> Component:
+              env: dict[str, str] | None = None, console_name: str | None = None) -> Component:
         """Start ``kvdiag <args> --ready-file <out>/.<name>.ready`` and wait until it is serving."""
-        comp = cls.launch(name, args, out_dir, env=env)
+        comp = cls.launch(name, args, out_dir, env=env, console_name=console_name)
         comp.wait_ready(ready_timeout)
         return comp
 
     @classmethod
-    def launch(cls, name: str, args: list[str], out_dir: Path, *, env: dict[str, str] | None = None) -> Component:
-        """Start the process without waiting (several can boot at once); then call :meth:`wait_ready`."""
+    def launch(cls, name: str, args: list[str], out_dir: Path, *, env: dict[str, str] | None = None,
+               console_name: str | None = None) -> Component:
+        """Start the process without waiting (several can boot at once); then call :meth:`wait_ready`.
+
+        Its output goes to ``<out>/<name>.console.log`` unless ``console_name`` names another file.
+        """
         ready_file = out_dir / f".{name}.ready"
         ready_file.unlink(missing_ok=True)
-        console = out_dir / f"{name}.console.log"
+        console = out_dir / (console_name or f"{name}.console.log")
         argv = kvdiag_command([*args, "--ready-file", str(ready_file)])
         fh = console.open("ab")
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from vllm_harness.testbed import real_vllm_testbed
 
 from kvdiag.schema.events import TurnEvent, read_events
 from kvdiag.sim.tokenizer import generate_text
@@ -30,49 +30,10 @@ BIN = Path(sys.executable).parent
 BLOCK_BYTES = 2 * 98_304       # one block, both layers of the OPT-shaped CPU model
 
 
-def _wait_ready(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
-        time.sleep(0.1)
-    ready: dict[str, Any] = json.loads(path.read_text())
-    return ready
-
-
 @pytest.fixture
 def testbed(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    consoles: list[Any] = []
-    try:
-        for role in ("prefill", "decode"):
-            cmd = [str(BIN / "kvdiag"), "sim", role, "--engine", "vllm", "--no-prefix-caching",
-                   "--ready-file", str(tmp_path / f"{role}.json"),
-                   "--events-file", str(tmp_path / f"{role}-events.jsonl"), "--log-file", str(tmp_path / f"{role}.log")]
-            console = (tmp_path / f"{role}.console.log").open("wb")
-            consoles.append(console)
-            procs.append(subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT))
-        p = _wait_ready(tmp_path / "prefill.json", procs)
-        d = _wait_ready(tmp_path / "decode.json", procs)
-        procs.append(subprocess.Popen(
-            [str(BIN / "kvdiag"), "router", "--host", "127.0.0.1", "--port", "0", "--prefiller-hosts", "127.0.0.1",
-             "--prefiller-ports", str(p["port"]), "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(d["port"]),
-             "--events-file", str(tmp_path / "router-events.jsonl"), "--ready-file", str(tmp_path / "router.json")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        router = _wait_ready(tmp_path / "router.json", procs, timeout=30)
-        yield {"dir": tmp_path, "router": f"http://127.0.0.1:{router['port']}", "p": p, "d": d}
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for console in consoles:
-            console.close()
+    with real_vllm_testbed(tmp_path) as bed:
+        yield {"dir": tmp_path, "router": bed.router.url, "p": bed.prefill.ready, "d": bed.decode.ready}
 
 
 async def _turn(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from vllm_harness.testbed import real_vllm_testbed
 
 from kvdiag.cli.main import cli
 from kvdiag.diagnostics.explain import load_turns
@@ -51,28 +52,6 @@ PLANS = (
 )
 
 
-def _wait_ready(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
-        time.sleep(0.1)
-    ready: dict[str, Any] = json.loads(path.read_text())
-    return ready
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in reversed(procs):
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _events(path: Path, n: int, timeout: float = 10.0) -> list[TurnEvent]:
     deadline = time.monotonic() + timeout
     while True:
@@ -84,36 +63,16 @@ def _events(path: Path, n: int, timeout: float = 10.0) -> list[TurnEvent]:
 
 def _run_testbed(tmp: Path, plans: tuple[ConversationPlan, ...], p_flags: list[str], d_flags: list[str]) -> None:
     """Start P, D and the router in ``tmp``, run ``plans`` (3 turns each), stop everything."""
-    procs: list[subprocess.Popen[bytes]] = []
-    consoles: list[Any] = []
-    try:
-        for role, extra in (("prefill", p_flags), ("decode", d_flags)):
-            cmd = [str(BIN / "kvdiag"), "sim", role, "--engine", "vllm", "--no-prefix-caching", *extra,
-                   "--ready-file", str(tmp / f"{role}.json"),
-                   "--events-file", str(tmp / f"{role}-events.jsonl"), "--log-file", str(tmp / f"{role}.log")]
-            console = (tmp / f"{role}.console.txt").open("wb")
-            consoles.append(console)
-            procs.append(subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT))
-        p = _wait_ready(tmp / "prefill.json", procs)
-        d = _wait_ready(tmp / "decode.json", procs)
-        procs.append(subprocess.Popen(
-            [str(BIN / "kvdiag"), "router", "--host", "127.0.0.1", "--port", "0", "--prefiller-hosts", "127.0.0.1",
-             "--prefiller-ports", str(p["port"]), "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(d["port"]),
-             "--events-file", str(tmp / "router-events.jsonl"), "--proxy-log", str(tmp / "proxy.log"),
-             "--ready-file", str(tmp / "router.json")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        router = _wait_ready(tmp / "router.json", procs, timeout=30)
-        config = WorkloadConfig(url=f"http://127.0.0.1:{router['port']}", conversations=len(plans), turns=3,
+    # Console output goes to *.console.txt so explain, handed ``tmp``, does not read it as a log.
+    with real_vllm_testbed(tmp, p_flags=p_flags, d_flags=d_flags, router_flags=["--proxy-log", str(tmp / "proxy.log")],
+                           console_suffix=".console.txt") as bed:
+        config = WorkloadConfig(url=bed.router.url, conversations=len(plans), turns=3,
                                 concurrency=len(plans), max_tokens=24, new_tokens=40, seed=7)
         result = asyncio.run(run_workload(config, plans, client_log=tmp / "client.jsonl",
                                           stats_json=tmp / "client-stats.json"))
         assert result.status_counts() == {"ok": 3 * len(plans)}, result.status_counts()
         _events(tmp / "router-events.jsonl", 3 * len(plans))
         time.sleep(0.3)  # let both engines write their last lines
-    finally:
-        _stop(procs)
-        for console in consoles:
-            console.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,66 @@
+"""Real-vLLM testbed for tests: P and D as ``kvdiag sim <role> --engine vllm`` plus ``kvdiag router``.
+
+Built on the demo's process handling (kvdiag.demo.processes.Component): each component runs in
+its own process group, announces itself through its ready file and is stopped group-wide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvdiag.demo.processes import Component
+
+ENGINE_READY_TIMEOUT_S = 120.0  # vLLM's imports alone take ~10 s on a loaded 2-core machine
+ROUTER_READY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Testbed:
+    """The running components; their logs and events are in ``dir``."""
+
+    dir: Path
+    prefill: Component
+    decode: Component
+    router: Component
+
+
+@contextmanager
+def real_vllm_testbed(tmp: Path, *, p_flags: Sequence[str] = (), d_flags: Sequence[str] = (),
+                      router_flags: Sequence[str] = (), console_suffix: str = ".console.log") -> Iterator[Testbed]:
+    """Start P, D (prefix caching off, events and vLLM logs in ``tmp``) and the router; stop all on exit.
+
+    ``console_suffix`` names the processes' stdout files, so a test that hands ``tmp`` to explain can
+    keep them out of its inputs.
+    """
+    started: list[Component] = []
+    try:
+        engines = []
+        for role, flags in (("prefill", p_flags), ("decode", d_flags)):
+            comp = Component.launch(
+                role, ["sim", role, "--engine", "vllm", "--no-prefix-caching", *flags,
+                       "--events-file", str(tmp / f"{role}-events.jsonl"), "--log-file", str(tmp / f"{role}.log")],
+                tmp, console_name=role + console_suffix)
+            started.append(comp)
+            engines.append(comp)
+        for comp in engines:
+            comp.wait_ready(ENGINE_READY_TIMEOUT_S)
+        p, d = engines
+        router = Component.start(
+            "router", ["router", "--host", "127.0.0.1", "--port", "0", "--prefiller-hosts", "127.0.0.1",
+                       "--prefiller-ports", str(p.port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
+                       str(d.port), "--events-file", str(tmp / "router-events.jsonl"), *router_flags],
+            tmp, ready_timeout=ROUTER_READY_TIMEOUT_S, console_name="router" + console_suffix)
+        started.append(router)
+        yield Testbed(tmp, p, d, router)
+    finally:
+        failures: list[Exception] = []
+        for comp in reversed(started):
+            try:
+                comp.stop()
+            except Exception as exc:  # stop the others first, then report
+                failures.append(exc)
+        if failures:
+            raise failures[0]
