@@ -1,12 +1,13 @@
 """`kvdiag report` over ~1 GB of logs against DuckDB's raw scan of the same files (BENCHMARKS.md).
 
-Two data sets:
+Three data sets:
 
 * ``events``: kvdiag event logs only (client.jsonl + router-events.jsonl from the synthetic
-  generator), the instrumented deployment: report takes the DuckDB fast path.
+  generator), the instrumented deployment: report builds the table in DuckDB (report_fast.py).
 * ``mixed`` (optional, ``--mixed DIR``, e.g. ``benchmarks/data/1024MB`` from gen_logs.py): stock vLLM,
-  proxy and client-stats logs plus events: report runs explain's full parser (cold), the
-  ``events_only`` option, and the Parquet cache (warm).
+  proxy and client-stats logs beside the events: DuckDB again, the stock logs through report_stock.py;
+  also checks that table equals explain's parser's, and times the parser and ``events_only``.
+* ``stock``: the same directory without its event files: only explain's parser decides stock verdicts.
 
 The baseline is DuckDB reading every field of every record of the same files into a table
 (``CREATE TABLE AS SELECT * FROM read_json_auto(...)``; text logs via ``read_csv`` one column per
@@ -36,7 +37,8 @@ from pathlib import Path
 import duckdb
 
 from kvdiag.diagnostics.detect import detect, expand_paths
-from kvdiag.diagnostics.report import build_report, load_turn_table
+from kvdiag.diagnostics.report import build_report, load_turn_table, normalize_table
+from kvdiag.diagnostics.report_fast import fast_turn_table
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
 
 BATCH = 4000  # conversations per generator batch (bounded memory)
@@ -86,8 +88,9 @@ def duckdb_raw_scan(files: list[str]) -> None:
         con.close()
 
 
-def report_once(files: list[str], *, cache_dir: Path | None = None, events_only: bool = False) -> int:
-    df = load_turn_table(files, cache_dir=cache_dir, events_only=events_only)
+def report_once(files: list[str], *, cache_dir: Path | None = None, events_only: bool = False,
+                fast: bool = True) -> int:
+    df = load_turn_table(files, cache_dir=cache_dir, events_only=events_only, fast=fast)
     build_report(df, 480.0)
     return len(df)
 
@@ -112,6 +115,16 @@ def stock_changes(files: list[str]) -> dict[str, int]:
     return out
 
 
+def same_table(files: list[str]) -> bool:
+    """The DuckDB path's table equals explain's parser's (and the DuckDB path did not decline)."""
+    key = ["conversation_id", "turn"]
+    fast = fast_turn_table(files)
+    if fast is None:
+        return False
+    slow = load_turn_table(files, fast=False).sort_values(key).reset_index(drop=True)
+    return bool(normalize_table(fast).sort_values(key).reset_index(drop=True).equals(slow))
+
+
 def cli_once(paths: list[str], extra: list[str]) -> float:
     exe = Path(sys.executable).with_name("kvdiag")
     t0 = time.perf_counter()
@@ -124,29 +137,32 @@ def size_mb(files: list[str]) -> float:
     return sum(os.path.getsize(f) for f in files) / 1e6
 
 
-def run(name: str, paths: list[str], repeat: int, mixed: bool) -> dict[str, object]:
+def run(name: str, paths: list[str], repeat: int) -> dict[str, object]:
     """Interleaved rounds (baseline, then each kvdiag variant, back to back): on a shared machine the
     load changes by the minute, so each round's ratio is the figure; the median over rounds is reported,
-    for wall time and for CPU time (DuckDB's CPU counts both of its threads)."""
+    for wall time and for CPU time (DuckDB's CPU counts both of its threads, grep's its own).
+
+    ``name``: events (kvdiag events only), mixed (stock logs beside the events), stock (stock logs only)."""
     files = expand_paths(paths)
     res: dict[str, object] = {"data": name, "files": len(files), "mb": round(size_mb(files), 1)}
-    only = ["--events-only"] if mixed else []
     cache = Path(tempfile.mkdtemp(prefix="kvdiag-bench-cache-"))
     rounds: dict[str, list[tuple[float, float]]] = {}
     try:
-        if mixed:
-            res["turns_full_parse"] = report_once(files)
+        res["turns"] = report_once(files, cache_dir=cache)  # fills the cache
+        if name == "mixed":
+            res["duckdb_path_equals_parser"] = same_table(files)
             res["stock_changes"] = stock_changes(files)
-        res["turns"] = report_once(files, cache_dir=cache, events_only=mixed)  # fills the cache
-        cli_once(paths, ["--cache-dir", str(cache), *only])  # fills the config cache too
-        variants: list[tuple[str, Callable[[], object]]] = [("duckdb_raw_scan", lambda: duckdb_raw_scan(files))]
-        if mixed:  # explain's full parser over stock + events, cold: the general case
-            variants.append(("report_full_parse", lambda: report_once(files)))
+        cli_once(paths, ["--cache-dir", str(cache)])  # fills the config cache too
+        variants: list[tuple[str, Callable[[], object]]] = [
+            ("duckdb_raw_scan", lambda: duckdb_raw_scan(files)), ("report_cold", lambda: report_once(files))]
+        if name != "stock":  # explain's parser over the same files, for reference
+            variants.append(("report_parser", lambda: report_once(files, fast=False)))
+        if name == "mixed":
+            variants.append(("report_events_only", lambda: report_once(files, events_only=True)))
         variants += [
-            ("report_events_only" if mixed else "report_cold", lambda: report_once(files, events_only=mixed)),
-            ("report_cached", lambda: report_once(files, cache_dir=cache, events_only=mixed)),
-            ("cli_cold", lambda: cli_once(paths, ["--no-cache", *only])),
-            ("cli_cached", lambda: cli_once(paths, ["--cache-dir", str(cache), *only]))]
+            ("report_cached", lambda: report_once(files, cache_dir=cache)),
+            ("cli_cold", lambda: cli_once(paths, ["--no-cache"])),
+            ("cli_cached", lambda: cli_once(paths, ["--cache-dir", str(cache)]))]
         for _ in range(repeat):
             for key, fn in variants:
                 rounds.setdefault(key, []).append(timed(fn))
@@ -178,9 +194,11 @@ def main() -> None:
         print(f"generated {args.dir} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     print(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), "
                                  f"Python {platform.python_version()}, duckdb {duckdb.__version__}"}))
-    print(json.dumps(run("events", [str(args.dir)], args.repeat, mixed=False)))
+    print(json.dumps(run("events", [str(args.dir)], args.repeat)))
     if args.mixed:
-        print(json.dumps(run("mixed", [str(args.mixed)], args.repeat, mixed=True)))
+        print(json.dumps(run("mixed", [str(args.mixed)], args.repeat)))
+        stock = [f.path for f in detect(expand_paths([str(args.mixed)])) if f.fmt != "events"]
+        print(json.dumps(run("stock", stock, args.repeat)))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def _cache_option(f: Callable[..., None]) -> Callable[..., None]:
     f = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_CACHE_DIR,
                      show_default=True, help="Parquet cache of parsed logs, keyed by (path, size, mtime).")(f)
     f = click.option("--events-only", is_flag=True,
-                     help="Read only the kvdiag event files among LOGS (fast: DuckDB); stock logs are skipped.")(f)
+                     help="Read only the kvdiag event files among LOGS; the stock logs (and what they add) "
+                          "are skipped.")(f)
     return click.option("--no-progress", is_flag=True, help="Never show a progress bar.")(f)
 
 

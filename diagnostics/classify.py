@@ -204,19 +204,40 @@ def _failed(facts: TurnFacts) -> tuple[str | None, Located | None]:
             return f"status={ev.event.status}{http}", ev
     hung = _hung(facts)  # once: a real hang logs thousands of WAITING lines
     for rec in (*facts.p_records, *facts.d_records, *facts.other_records):
-        if rec.kind == "kv_load_failed":
-            return "P failed it on KV load failure (failure_policy=fail)", rec
-        if rec.kind == "request_failed":
-            return f"vLLM: request failed ({rec.fields.get('why')})", rec
-        if rec.kind == "generated_response" and rec.fields.get("finish_reason") in ("error", "abort"):
-            return f"finish_reason={rec.fields['finish_reason']}", rec
+        why = record_failure(rec)
+        if why is not None:
+            return why, rec
         if rec.kind == "waiting_remote_kvs" and rec is hung:
             return "never completed: P stuck in WAITING_FOR_REMOTE_KVS (vLLM 0.33 recompute hang)", rec
     if facts.proxy is not None:
         for line in facts.proxy.lines:
-            if line.kind in ("prefill_failed", "decode_failed"):
-                return f"{line.kind.replace('_', ' ')}: {line.fields.get('detail', '')}"[:200], line
+            why = proxy_failure(line.kind, line.fields.get("detail"))
+            if why is not None:
+                return why, line
     return None, None
+
+
+# vLLM record kinds that say the request itself failed (report_stock.py selects their lines by these).
+FAILURE_KINDS = frozenset({"kv_load_failed", "request_failed", "generated_response"})
+PROXY_FAILURE_KINDS = frozenset({"prefill_failed", "decode_failed"})
+
+
+def record_failure(rec: VllmRecord) -> str | None:
+    """Why a vLLM line says the request failed (``_failed``'s per-line rule), or None."""
+    if rec.kind == "kv_load_failed":
+        return "P failed it on KV load failure (failure_policy=fail)"
+    if rec.kind == "request_failed":
+        return f"vLLM: request failed ({rec.fields.get('why')})"
+    if rec.kind == "generated_response" and rec.fields.get("finish_reason") in ("error", "abort"):
+        return f"finish_reason={rec.fields['finish_reason']}"
+    return None
+
+
+def proxy_failure(kind: str, detail: str | None) -> str | None:
+    """Why a proxy line says the request failed (a failed prefill or decode leg), or None."""
+    if kind not in PROXY_FAILURE_KINDS:
+        return None
+    return f"{kind.replace('_', ' ')}: {detail or ''}"[:200]
 
 
 def _answered(facts: TurnFacts) -> bool:
@@ -230,12 +251,17 @@ def _with_failure(reason: str, facts: TurnFacts, builder: _Turn) -> str:
         if retried is None or not _answered(facts):
             return reason
         builder.rec.evidence.append(_ev(retried))
-        retry = "" if "retried without the handle" in reason else " after a retry without the handle"
-        return (f"{reason.rstrip('.')}; P failed that attempt on KV load failure (failure_policy=fail), yet the "
-                f"client got its answer{retry}")
+        return retried_reason(reason)
     if line is not None:
         builder.rec.evidence.append(_ev(line))
     return f"{reason.rstrip('.')}; the turn failed ({why})"
+
+
+def retried_reason(reason: str) -> str:
+    """The reason of an answered turn whose first P attempt failed on a KV load failure."""
+    retry = "" if "retried without the handle" in reason else " after a retry without the handle"
+    return (f"{reason.rstrip('.')}; P failed that attempt on KV load failure (failure_policy=fail), yet the "
+            f"client got its answer{retry}")
 
 
 # A fix per missing-metadata cause named in the reason (first match wins: a failed turn may say "aborted").

@@ -288,7 +288,7 @@ def correlate(index: LogIndex, only: str | None = None) -> list[Conversation]:
             if target is not None:
                 (target.released_handle if rec.kind == "releasing_expired" else target.stale_read).append(rec)
                 continue
-        for rid in _record_rids(rec):
+        for rid in record_rids(rec):
             joined = by_rid.get(header_request_id(rid))
             if joined is None:
                 continue
@@ -321,7 +321,8 @@ def _request_order(f: TurnFacts) -> tuple[int, float]:
     return (f.turn, min(ts) if ts else 0.0)
 
 
-def _record_rids(rec: VllmRecord) -> list[str]:
+def record_rids(rec: VllmRecord) -> list[str]:
+    """The request ids a vLLM record names (its own, a failed batch's, a NIXL context's)."""
     f = rec.fields
     rids = [f["request_id"]] if isinstance(f.get("request_id"), str) else []
     rids += [r for r in f.get("request_ids", []) if isinstance(r, str)]

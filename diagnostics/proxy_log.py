@@ -19,7 +19,7 @@ PROXY_RE: Final = re.compile(
     r"^(?P<ts>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:[.,]\d+)? \[(?P<lvl>[A-Z]+)\] (?P<name>[\w.-]+): (?P<msg>.*)$")
 
 _CONV: Final = r"(?P<conv>\S+?)"
-_CLASSIFIERS: Final[list[tuple[str, re.Pattern[str]]]] = [
+CLASSIFIERS: Final[list[tuple[str, re.Pattern[str]]]] = [
     ("stale", re.compile(rf"^conv={_CONV}: stale cache entry \(age=(?P<age>[\d.]+)s > ttl=(?P<ttl>[\d.]+)s\)")),
     ("hit", re.compile(rf"^conv={_CONV}: cache HIT \(age=(?P<age>[\d.]+)s\)")),
     ("cached", re.compile(rf"^conv={_CONV}: cached D blocks \(remote_request_id=(?P<remote>[^,)]+), "
@@ -66,7 +66,7 @@ def _lead(regex: re.Pattern[str]) -> str:
 # Classifiers by the first character their message must start with ("c"onv=, "[", "R"eady): a line
 # tries the two or three that can match, not all eleven. Order within a group is kept.
 _BY_LEAD: Final[dict[str, list[tuple[str, re.Pattern[str]]]]] = {}
-for _entry in _CLASSIFIERS:
+for _entry in CLASSIFIERS:
     _BY_LEAD.setdefault(_lead(_entry[1]), []).append(_entry)
 
 

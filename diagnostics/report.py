@@ -20,7 +20,7 @@ import pandas as pd
 from kvdiag.diagnostics.detect import detect, expand_paths
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.report_fast import all_events, events_turn_table
+from kvdiag.diagnostics.report_fast import fast_turn_table
 from kvdiag.exporters import parquet
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS, prompt_bucket, turn_bucket
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
@@ -331,9 +331,10 @@ def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = Non
     """Parse and correlate ``paths`` (globs, folders, .gz) into the turn table, through the Parquet
     cache when ``cache_dir`` is set. Raises explain's LogReadError/ExplainError.
 
-    ``fast``: when every input is a kvdiag event file, build the table in DuckDB (report_fast)
-    instead of explain's parser, unless report_fast finds turns only the parser joins (same table either
-    way). Stock logs always take the parser: they change rows the events state too (BENCHMARKS.md).
+    ``fast``: when kvdiag event files are among the inputs, build the table in DuckDB (report_fast, with
+    report_stock for the stock logs beside them) instead of explain's parser, unless they find shapes only
+    the parser models (same table either way). Stock logs alone take the parser: only events decide a
+    verdict in SQL.
     ``events_only``: use only the event files among the inputs (faster; but turns only stock logs show
     are lost, and the fields and reasons stock lines add to the other turns are missing)."""
     files = expand_paths([str(p) for p in paths])
@@ -345,7 +346,7 @@ def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = Non
         cached = parquet.load_cached_table(files, cache_dir, TABLE_VERSION)
         if cached is not None:
             return normalize_table(cached)
-    fast_table = events_turn_table(files) if fast and all_events(files) else None
+    fast_table = fast_turn_table(files) if fast else None
     if fast_table is not None:
         df = normalize_table(fast_table)
     else:  # stock logs, or events only explain's correlator can join (report_fast says which)

@@ -1,29 +1,33 @@
-"""The turn table straight from kvdiag event files with DuckDB: the fast path of `kvdiag report`.
+"""The turn table with DuckDB, from kvdiag event files and the stock logs beside them: report's fast path.
 
-When every input is a kvdiag event file (client/router JSON lines), the per-turn facts are already
-stated by the router (outcome merged with P's report) and the client (TTFT, duration): DuckDB scans
-them at its own speed instead of Python parsing each line. The rules mirror the classifier's
-instrumented path (kvdiag.diagnostics.classify): per field the client's value wins over the
-router's, the outcome is the router's (else the client's), the client's status wins, and the reason
-is built as the classifier builds it. Where the events have a shape only explain's correlator joins
-(see _needs_correlator_sql) the fast path declines (None) rather than differ.
-tests/test_report_fast.py checks that both paths give the same table (``DataFrame.equals``).
+The per-turn facts are stated by the router (outcome merged with P's report) and the client (TTFT,
+duration): DuckDB scans them at its own speed instead of Python parsing each line. The rules mirror the
+classifier's instrumented path (kvdiag.diagnostics.classify): per field the client's value wins over
+the router's, the outcome is the router's (else the client's), the client's status wins, and the
+reason is built as the classifier builds it. Stock logs beside the events (client statistics, the proxy
+log, vLLM's failure lines) add what they add to those turns (report_stock.py). Where the inputs have a
+shape only explain's correlator joins (_needs_correlator_sql, report_stock.Decline) the fast path
+declines (None) rather than differ. tests/test_report_fast.py and tests/test_report_stock.py check that
+both paths give the same table (``DataFrame.equals``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Final
 
 import duckdb
 import pandas as pd
 
-from kvdiag.diagnostics.classify import FAILED_STATUSES
+from kvdiag.diagnostics.classify import FAILED_STATUSES, retried_reason
 from kvdiag.diagnostics.correlate import HASH_PREFIX_LENGTHS
-from kvdiag.diagnostics.detect import detect
+from kvdiag.diagnostics.detect import LogFile, detect
+from kvdiag.diagnostics.report_stock import STOCK_FAILURES_SQL, STOCK_FORMATS, Decline, load_stock
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, VERDICT_INFO, Verdict
 
+log = logging.getLogger(__name__)
 _PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
     "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR", "turn": "BIGINT",
@@ -101,7 +105,8 @@ SELECT {first('conversation_id')} AS conversation_id, {first('turn')} AS turn,
   CASE WHEN {router_decides} THEN {col('r', 'reason')} ELSE {col('c', 'reason')} END AS decided_reason,
   CASE WHEN {router_decides} THEN {col('r', 'failure_type')} ELSE {col('c', 'failure_type')} END AS decided_ft,
   CASE {' '.join(fail)} END AS failed_why,
-  {first('status')} AS status
+  {first('status')} AS status,
+  {col('c', 'status')} AS client_status
 FROM {source}
 """
 
@@ -132,8 +137,8 @@ def _final_sql(gap_window: bool) -> str:
              f"THEN {base} || ' (failure_type=' || decided_ft || ')' ELSE {base} END")
     return f"""
 WITH t AS (SELECT *, CASE WHEN failed_why IS NOT NULL AND verdict <> '{Verdict.REQUEST_FAILED.value}'
-  THEN rtrim({typed}, '.') || '; the turn failed (' || failed_why || ')' ELSE {typed} END AS reason FROM turns)
-SELECT * EXCLUDE (gap_s, verdict, router_outcome, decided_reason, decided_ft, failed_why),
+  THEN rtrim({typed}, '.') || '; the turn failed (' || failed_why || ')' ELSE {typed} END AS reason FROM turns_final)
+SELECT * EXCLUDE (gap_s, verdict, router_outcome, decided_reason, decided_ft, failed_why, client_status),
   CASE WHEN verdict IN ({_KNOWN}) THEN verdict ELSE 'unknown' END AS verdict,
   {gap} AS gap_s,
   start_ts + latency_ms / 1000.0 AS end_ts,
@@ -150,18 +155,13 @@ FROM t
 """
 
 
-def all_events(files: Sequence[str]) -> bool:
-    """True when every input is a kvdiag event file (the fast path applies)."""
-    return bool(files) and all(f.fmt == "events" for f in detect(files))
-
-
 def _engine_field_checks() -> str:
     # A prefill event states a field the client and router events leave unknown: the classifier takes it.
     names = (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens", "status")
     return " OR ".join(f"(p.{f} IS NOT NULL AND t.{_RENAME.get(f, f)} IS NULL)" for f in names)
 
 
-def _needs_correlator_sql(engine_events: bool) -> str:
+def _needs_correlator_sql(engine_events: bool, stock: bool) -> str:
     """Count the shapes the SQL does not model, where explain's correlator and classifier decide.
 
     Turn events without a conversation or turn (joined through request ids), a missing timestamp or
@@ -171,6 +171,9 @@ def _needs_correlator_sql(engine_events: bool) -> str:
     turn without a decided verdict, checked on the result): the SQL table equals the parser's."""
     # Equi-joins (a UNION per tag length): an OR join condition would compare every pair of ids.
     tags = " UNION ALL ".join(f"SELECT id, left(d, {n}) AS tag FROM h" for n in HASH_PREFIX_LENGTHS)
+    # correlate maps a logged id that is another known id's hashed tag (stats ids are known ids too)
+    known = " UNION SELECT conversation_id FROM stats" if stock else ""
+    others = " UNION SELECT conv FROM proxy_lines WHERE conv IS NOT NULL" if stock else ""
     engine = "" if not engine_events else f"""+ (SELECT count(*) FROM p LEFT JOIN turns t ON p.request_id = t.request_id
      WHERE t.request_id IS NULL
         OR (p.source = 'prefill' AND ((p.status IS NOT NULL AND p.status <> 'ok')
@@ -179,8 +182,9 @@ def _needs_correlator_sql(engine_events: bool) -> str:
             OR {_engine_field_checks()})))
 """
     return f"""
-WITH ids AS (SELECT DISTINCT conversation_id FROM scanned),
-h AS (SELECT conversation_id AS id, sha256(conversation_id) AS d FROM ids),
+WITH known AS (SELECT DISTINCT conversation_id FROM scanned{known}),
+ids AS (SELECT conversation_id FROM known{others}),
+h AS (SELECT conversation_id AS id, sha256(conversation_id) AS d FROM known),
 p AS (SELECT * FROM raw WHERE source IN ('prefill', 'decode'))
 SELECT
   (SELECT count(*) FROM raw WHERE event IN ('client_turn', 'router_turn')
@@ -191,36 +195,114 @@ SELECT
 {engine}"""
 
 
-def events_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
-    """The turn table (report.TABLE_COLUMNS) from event files, computed in DuckDB.
+# The stock facts joined to each turn (classify._Turn._numbers, _client_gap, _failed): numbers no event
+# states come from the k-th client statistic of the conversation and the proxy's request, gaps from the
+# client's clock, and a turn the client did not get takes the stock failure lines' why.
+_STOCK_JOIN_SQL: Final = f"""
+WITH t AS (SELECT *, row_number() OVER (PARTITION BY conversation_id ORDER BY turn) AS k FROM turns),
+j AS (SELECT t.*, s.ttft_ms AS s_ttft, s.latency_ms AS s_latency, s.start_time_ms AS s_start,
+        s.input_num_tokens AS s_prompt, s.output_num_tokens AS s_completion, p.prefill_ms AS p_prefill,
+        p.entry_age_s AS p_age, f.stock_why, coalesce(f.retried, false) AS retried,
+        coalesce(t.client_status = 'ok', false) AS answered
+      FROM t LEFT JOIN stats s ON s.conversation_id = t.conversation_id AND s.k = t.k
+      LEFT JOIN proxy_req p ON p.request_id = t.request_id
+      LEFT JOIN stock_fail f ON f.request_id = t.request_id),
+g AS (SELECT *, (s_start - lag(s_start) OVER w - lag(s_latency) OVER w) / 1000.0 AS client_gap
+      FROM j WINDOW w AS (PARTITION BY conversation_id ORDER BY turn))
+SELECT * EXCLUDE (k, s_ttft, s_latency, s_start, s_prompt, s_completion, p_prefill, p_age, stock_why, retried,
+                  answered, client_gap)
+  REPLACE (coalesce(ttft_ms, s_ttft) AS ttft_ms, coalesce(prompt_tokens, s_prompt) AS prompt_tokens,
+           coalesce(completion_tokens, s_completion) AS completion_tokens,
+           coalesce(latency_ms, s_latency) AS latency_ms, coalesce(prefill_ms, p_prefill) AS prefill_ms,
+           coalesce(entry_age_s, p_age) AS entry_age_s,
+           coalesce(gap_s, CASE WHEN client_gap >= 0 THEN client_gap END) AS gap_s,
+           coalesce(failed_why, CASE WHEN NOT answered THEN stock_why END) AS failed_why),
+  gap_s IS NULL AND client_gap >= 0 AS _round_gap,
+  answered AND retried AND verdict <> '{Verdict.REQUEST_FAILED.value}' AS _retried
+FROM g
+"""
 
-    None when the events have a shape only explain's correlator decides (anonymous or repeated turn
-    events, engine events that change a turn...): the caller then parses them (the table must not differ)."""
+
+def _stock_declines(con: duckdb.DuckDBPyConnection) -> str | None:
+    """Why the stock facts cannot be joined as _STOCK_JOIN_SQL does (correlate would make other turns)."""
+    orphan_stats = con.sql("""SELECT count(*) FROM stats s LEFT JOIN (SELECT conversation_id, row_number() OVER
+        (PARTITION BY conversation_id ORDER BY turn) AS k FROM turns) t USING (conversation_id, k)
+        WHERE t.k IS NULL""").fetchall()[0][0]
+    if orphan_stats:
+        return "client statistics for turns no event names"
+    if con.sql("SELECT count(*) FROM proxy_req WHERE request_id NOT IN (SELECT request_id FROM turns "
+               "WHERE request_id IS NOT NULL)").fetchall()[0][0]:
+        return "proxy requests no event names"
+    return None
+
+
+def fast_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
+    """The turn table (report.TABLE_COLUMNS) computed in DuckDB, from event files and the stock logs beside them.
+
+    None when there are no event files, or a shape only explain's correlator decides (anonymous or repeated
+    turn events, engine events that change a turn, stock lines the SQL does not model; report_stock.Decline):
+    the caller then parses them (the table must not differ)."""
+    detected = detect(files)
+    events = [f.path for f in detected if f.fmt == "events"]
+    stock = [f for f in detected if f.fmt in STOCK_FORMATS]
+    if not events:
+        return None
     con = duckdb.connect()
     try:
-        # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
-        con.execute("CREATE TEMP TABLE raw AS " + _scan_sql(), {"files": list(files)})
-        con.execute("CREATE TEMP VIEW scanned AS " + _TURN_EVENTS)
-        # Repeated events (or a hash collision) go to the parser: which one wins is its call.
-        dups, sources = con.sql("SELECT count(*) - count(DISTINCT k), count(DISTINCT source) FROM scanned"
-                                ).fetchall()[0]
-        if dups:
-            return None
-        present = {row[0] for row in con.sql("SELECT DISTINCT source FROM scanned").fetchall()}
-        sides = ("r", "c") if sources > 1 else ("c",) if present == {"client"} else ("r",)
-        engine_events = bool(con.sql("SELECT count(*) FROM raw WHERE source IN ('prefill', 'decode')"
-                                     ).fetchall()[0][0])
-        # A table only when the engine-event check reads it too; else the join streams into the result.
-        con.execute(f"CREATE TEMP {'TABLE' if engine_events else 'VIEW'} turns AS " + _turns_sql(sides))
-        if con.sql(_needs_correlator_sql(engine_events)).fetchall()[0][0]:
-            return None
-        df = con.sql(_final_sql(False)).to_arrow_table().to_pandas()
-        if bool((df["verdict"] == Verdict.UNKNOWN.value).any()):
-            return None  # a turn no event decides: the stock rules (explain) say what it was
-        if bool(((df["turn"] > 1) & df["gap_s"].isna()).any()):
-            # The router states each later turn's gap; only when some is missing pay for the window.
-            df = con.sql(_final_sql(True)).to_arrow_table().to_pandas()
+        return _fast_turn_table(con, events, stock)
+    except Decline as why:
+        log.debug("report: parsing the logs (the DuckDB path declined: %s)", why)
+        return None
+    except (duckdb.InvalidInputException, duckdb.ConversionException) as exc:
+        # a line DuckDB cannot read (invalid UTF-8, an oversized line): the parser counts and skips it
+        log.debug("report: parsing the logs (DuckDB could not read them: %s)", exc)
+        return None
     finally:
         con.close()
+
+
+def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFile]) -> pd.DataFrame:
+    # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
+    con.execute("CREATE TEMP TABLE raw AS " + _scan_sql(), {"files": events})
+    con.execute("CREATE TEMP VIEW scanned AS " + _TURN_EVENTS)
+    # Repeated events (or a hash collision) go to the parser: which one wins is its call.
+    dups, sources = con.sql("SELECT count(*) - count(DISTINCT k), count(DISTINCT source) FROM scanned"
+                            ).fetchall()[0]
+    if dups or not sources:
+        raise Decline("repeated turn events" if dups else "no turn events")
+    present = {row[0] for row in con.sql("SELECT DISTINCT source FROM scanned").fetchall()}
+    sides = ("r", "c") if sources > 1 else ("c",) if present == {"client"} else ("r",)
+    engine_events = bool(con.sql("SELECT count(*) FROM raw WHERE source IN ('prefill', 'decode')"
+                                 ).fetchall()[0][0])
+    if stock:
+        load_stock(con, stock)
+    # A table only when a later step reads it too; else the join streams into the result.
+    materialize = engine_events or bool(stock)
+    con.execute(f"CREATE TEMP {'TABLE' if materialize else 'VIEW'} turns AS " + _turns_sql(sides))
+    if con.sql(_needs_correlator_sql(engine_events, bool(stock))).fetchall()[0][0]:
+        raise Decline("turn events only the correlator joins (anonymous, hashed tags, engine events that change "
+                      "a turn)")
+    if stock:
+        why = _stock_declines(con)
+        if why is not None:
+            raise Decline(why)
+        con.execute("CREATE TEMP TABLE stock_fail AS " + STOCK_FAILURES_SQL)
+        con.execute("CREATE TEMP TABLE turns_final AS " + _STOCK_JOIN_SQL)
+    else:
+        con.execute("CREATE TEMP VIEW turns_final AS SELECT * FROM turns")
+    # Client statistics leave some gaps unknown (a negative one is no gap): then the window is needed anyway.
+    df = con.sql(_final_sql(bool(stock))).to_arrow_table().to_pandas()
+    if bool((df["verdict"] == Verdict.UNKNOWN.value).any()):
+        raise Decline("a turn no event decides: the stock rules (explain) say what it was")
+    if not stock and bool(((df["turn"] > 1) & df["gap_s"].isna()).any()):
+        # The router states each later turn's gap; only when some is missing pay for the window.
+        df = con.sql(_final_sql(True)).to_arrow_table().to_pandas()
     df["reason"] = df["reason"].fillna("")
+    if "_round_gap" in df.columns:
+        # classify._client_gap rounds with Python's round (a SQL round may differ in the last digit)
+        rounded = df["_round_gap"].fillna(False).astype(bool)
+        df.loc[rounded, "gap_s"] = [round(float(g), 3) for g in df.loc[rounded, "gap_s"]]
+        retried = df["_retried"].fillna(False).astype(bool)
+        df.loc[retried, "reason"] = [retried_reason(r) for r in df.loc[retried, "reason"]]
+        df = df.drop(columns=["_round_gap", "_retried"])
     return df

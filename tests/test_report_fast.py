@@ -2,7 +2,7 @@
 
 "Same" is ``DataFrame.equals`` on the whole table (reasons included) after sorting by turn; where the
 events have a shape only explain's correlator joins (anonymous or repeated turns, engine events that
-change a turn, stock logs), events_turn_table returns None and load_turn_table parses instead.
+change a turn, stock logs), fast_turn_table returns None and load_turn_table parses instead.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from kvdiag.diagnostics.correlate import id_tags
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.report import ReportError, build_turn_table, load_turn_table, normalize_table
-from kvdiag.diagnostics.report_fast import all_events, events_turn_table
+from kvdiag.diagnostics.report_fast import fast_turn_table
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
 from kvdiag.schema.verdicts import Verdict
 
@@ -62,10 +62,9 @@ def test_fast_path_matches_the_parser(tmp_path: Path, layout: str) -> None:
         if layout.endswith("duplicate"):
             client.append(client[3])  # a repeated record forces the aggregate (merge) path
         files.append(_write(tmp_path / "client.jsonl", client))
-    assert all_events(files)
     slow = _parsed(files)
     assert len(slow) == sum(len(c.turns) for c in convs)
-    fast = events_turn_table(files)
+    fast = fast_turn_table(files)
     if layout.endswith("duplicate") or layout == "client":
         assert fast is None  # which repeated record wins, or a turn no event decides: the parser's call
     else:
@@ -74,17 +73,19 @@ def test_fast_path_matches_the_parser(tmp_path: Path, layout: str) -> None:
     _same(load_turn_table(files), slow)
 
 
-def test_fast_path_skips_corrupt_lines_and_mixed_inputs_use_the_parser(tmp_path: Path) -> None:
+def test_fast_path_skips_corrupt_lines_and_keeps_a_stock_log_beside_the_events(tmp_path: Path) -> None:
     convs = _convs()
     lines = list(router_events(convs))
     lines.insert(5, '{"v": 1, "ts": "not a number", broken')
     files = [_write(tmp_path / "router-events.jsonl", lines)]
-    fast = events_turn_table(files)
+    fast = fast_turn_table(files)
     assert fast is not None and len(fast) == sum(len(c.turns) for c in convs)
     stock = _write(tmp_path / "decode.log", [
         "(EngineCore_DP0 pid=1) INFO 11-29 06:54:50 [base_scheduler.py:188] Bidirectional KV transfer is enabled "
         "and the kv recompute threshold is set to 64 tokens.KV blocks on D are released after a TTL of 480 seconds."])
-    assert not all_events([*files, stock])
+    mixed = fast_turn_table([*files, stock])  # a stock log beside the events: still DuckDB, same table
+    assert mixed is not None
+    _same(normalize_table(mixed), _parsed([*files, stock]))
     events = load_turn_table([*files, stock], events_only=True)
     assert len(events) == sum(len(c.turns) for c in convs)
     with pytest.raises(ReportError, match="no kvdiag event files"):
@@ -129,14 +130,14 @@ def _demo_like(tmp_path: Path, shape: str) -> list[str]:
                                    "hashed-tag", "unattached-engine-event"])
 def test_events_only_the_correlator_joins_decline_the_fast_path(tmp_path: Path, shape: str) -> None:
     files = _demo_like(tmp_path, shape)
-    assert events_turn_table(files) is None
+    assert fast_turn_table(files) is None
     _same(load_turn_table(files), _parsed(files))
 
 
 def test_redundant_prefill_events_keep_the_fast_path(tmp_path: Path) -> None:
     # gen_logs.py's shape: P's events restate what the router says; they change no turn.
     files = _demo_like(tmp_path, "plain")
-    fast = events_turn_table(files)
+    fast = fast_turn_table(files)
     assert fast is not None
     _same(normalize_table(fast), _parsed(files))
 
@@ -147,7 +148,7 @@ def test_a_turn_only_stock_logs_show_forces_the_full_parse(tmp_path: Path) -> No
     stats = [{"conversation_id": "stock-only", "turn": 1, "input_num_tokens": 300, "output_num_tokens": 20,
               "ttft_ms": 80.0, "latency_ms": 400.0, "start_time_ms": 1.7e12}]
     files.append(_write(tmp_path / "client-stats.jsonl", [json.dumps(s) for s in stats]))
-    assert not all_events(files)
+    assert fast_turn_table(files) is None  # the stats name a conversation no event does
     table = load_turn_table(files)
     _same(table, _parsed(files))
     assert "stock-only" in set(table["conversation_id"])
