@@ -19,6 +19,8 @@ from typing import Final
 
 import duckdb
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvdiag.diagnostics.classify import FAILED_STATUSES, retried_reason
 from kvdiag.diagnostics.correlate import HASH_PREFIX_LENGTHS
@@ -49,9 +51,8 @@ _RENAME: Final = {"ts": "start_ts", "duration_ms": "latency_ms", "remote_read_to
 
 def _scan_sql() -> str:
     cols = ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items())
-    # k: a 64-bit key per (source, turn) so the duplicate check is an integer count-distinct. Engine
-    # (prefill/decode) events and turn events without ids are kept only for _needs_correlator_sql.
-    return (f"SELECT *, hash(source, conversation_id, turn) AS k FROM read_json($files, "
+    # Engine (prefill/decode) events and turn events without ids are kept for the checks only.
+    return (f"SELECT * FROM read_json($files, "
             f"format = 'newline_delimited', columns = {{{cols}}}, ignore_errors = true) "
             "WHERE event IN ('client_turn', 'router_turn') OR source IN ('prefill', 'decode')")
 
@@ -67,6 +68,12 @@ def _why_failed(side: str) -> str:
     # classify._failed's text for a failed status: "status=X" plus ", HTTP n" when stated.
     return (f"'status=' || {side}.status || CASE WHEN coalesce({side}.http_status, 0) <> 0 "
             f"THEN ', HTTP ' || {side}.http_status ELSE '' END")
+
+
+def _id_hash(expr: str) -> str:
+    # 64-bit stand-ins for the request ids the repeat check compares: integers export and count faster
+    # than strings; a collision can only make it decline.
+    return f"CASE WHEN {expr} IS NOT NULL THEN hash({expr}) END"
 
 
 def _turns_sql(sides: tuple[str, ...]) -> str:
@@ -106,7 +113,8 @@ SELECT {first('conversation_id')} AS conversation_id, {first('turn')} AS turn,
   CASE WHEN {router_decides} THEN {col('r', 'failure_type')} ELSE {col('c', 'failure_type')} END AS decided_ft,
   CASE {' '.join(fail)} END AS failed_why,
   {first('status')} AS status,
-  {col('c', 'status')} AS client_status
+  {col('c', 'status')} AS client_status,
+  {_id_hash(col('r', 'request_id'))} AS r_rid, {_id_hash(col('c', 'request_id'))} AS c_rid
 FROM {source}
 """
 
@@ -132,12 +140,14 @@ def _final_sql(gap_window: bool) -> str:
                          for v in Verdict)
     # classify._instrumented's reason: the deciding event's (else the verdict's summary), its failure_type,
     # and the failed status (classify._with_failure) unless the verdict already is request_failed.
-    base = f"coalesce(nullif(decided_reason, ''), CASE verdict {summaries} END)"
-    typed = (f"CASE WHEN coalesce(decided_ft, '') <> '' AND NOT contains({base}, decided_ft) "
-             f"THEN {base} || ' (failure_type=' || decided_ft || ')' ELSE {base} END")
+    # One step per CTE: each part is computed once, not once per mention.
     return f"""
-WITH t AS (SELECT *, CASE WHEN failed_why IS NOT NULL AND verdict <> '{Verdict.REQUEST_FAILED.value}'
-  THEN rtrim({typed}, '.') || '; the turn failed (' || failed_why || ')' ELSE {typed} END AS reason FROM turns_final)
+WITH b AS (SELECT *, CASE WHEN decided_reason IS NULL OR decided_reason = '' THEN CASE verdict {summaries} END
+                          ELSE decided_reason END AS base FROM turns_final),
+ty AS (SELECT *, CASE WHEN coalesce(decided_ft, '') <> '' AND NOT contains(base, decided_ft)
+                      THEN base || ' (failure_type=' || decided_ft || ')' ELSE base END AS typed FROM b),
+t AS (SELECT * EXCLUDE (base, typed), CASE WHEN failed_why IS NOT NULL AND verdict <> '{Verdict.REQUEST_FAILED.value}'
+  THEN rtrim(typed, '.') || '; the turn failed (' || failed_why || ')' ELSE typed END AS reason FROM ty)
 SELECT * EXCLUDE (gap_s, verdict, router_outcome, decided_reason, decided_ft, failed_why, client_status),
   CASE WHEN verdict IN ({_KNOWN}) THEN verdict ELSE 'unknown' END AS verdict,
   {gap} AS gap_s,
@@ -161,38 +171,58 @@ def _engine_field_checks() -> str:
     return " OR ".join(f"(p.{f} IS NOT NULL AND t.{_RENAME.get(f, f)} IS NULL)" for f in names)
 
 
-def _needs_correlator_sql(engine_events: bool, stock: bool) -> str:
-    """Count the shapes the SQL does not model, where explain's correlator and classifier decide.
+def _ids_sql(stock: bool) -> tuple[str, str]:
+    # The conversation ids correlate knows (events, client statistics) and all it reads (+ the proxy's).
+    known = "SELECT conversation_id FROM scanned" + (" UNION ALL SELECT conversation_id FROM stats" if stock else "")
+    logged = known + (" UNION ALL SELECT conv FROM proxy_lines WHERE conv IS NOT NULL" if stock else "")
+    return known, logged
 
-    Turn events without a conversation or turn (joined through request ids), a missing timestamp or
-    request id, a request id on two turns, a conversation logged under another's hashed tag
-    (correlate.id_tags), and engine events that would change a turn: unattached, a non-ok status, an
-    outcome where the router's is missing or only inferred, or a field nobody else states. Zero (and no
-    turn without a decided verdict, checked on the result): the SQL table equals the parser's."""
+
+# What a hashed tag looks like (correlate.id_tags: a sha256 hex prefix of these lengths).
+_TAG_RE: Final = "|".join(f"[0-9a-f]{{{n}}}" for n in HASH_PREFIX_LENGTHS)
+
+
+def _tag_candidates_sql(stock: bool) -> str:
+    # Hashing every id is the dear part: only ids shaped like a tag can be one.
+    lengths = ", ".join(map(str, HASH_PREFIX_LENGTHS))
+    return (f"SELECT count(*) FROM ({_ids_sql(stock)[1]}) WHERE length(conversation_id) IN ({lengths}) "
+            f"AND regexp_full_match(conversation_id, '{_TAG_RE}')")
+
+
+def _hashed_tags_sql(stock: bool) -> str:
+    """Count the logged ids that are another known id's hashed tag: correlate maps those to that id."""
+    known, logged = _ids_sql(stock)
     # Equi-joins (a UNION per tag length): an OR join condition would compare every pair of ids.
     tags = " UNION ALL ".join(f"SELECT id, left(d, {n}) AS tag FROM h" for n in HASH_PREFIX_LENGTHS)
-    # correlate maps a logged id that is another known id's hashed tag (stats ids are known ids too)
-    known = " UNION SELECT conversation_id FROM stats" if stock else ""
-    others = " UNION SELECT conv FROM proxy_lines WHERE conv IS NOT NULL" if stock else ""
-    engine = "" if not engine_events else f"""+ (SELECT count(*) FROM p LEFT JOIN turns t ON p.request_id = t.request_id
-     WHERE t.request_id IS NULL
-        OR (p.source = 'prefill' AND ((p.status IS NOT NULL AND p.status <> 'ok')
-            OR (p.outcome IS NOT NULL AND p.outcome <> 'unknown' AND (t.router_outcome IS NULL
-                OR t.router_outcome NOT IN ({_KNOWN}) OR starts_with(coalesce(t.decided_reason, ''), 'inferred')))
-            OR {_engine_field_checks()})))
-"""
     return f"""
-WITH known AS (SELECT DISTINCT conversation_id FROM scanned{known}),
-ids AS (SELECT conversation_id FROM known{others}),
-h AS (SELECT conversation_id AS id, sha256(conversation_id) AS d FROM known),
-p AS (SELECT * FROM raw WHERE source IN ('prefill', 'decode'))
-SELECT
-  (SELECT count(*) FROM raw WHERE event IN ('client_turn', 'router_turn')
-     AND (conversation_id IS NULL OR turn IS NULL OR request_id IS NULL OR ts IS NULL))
-+ (SELECT count(*) FROM (SELECT request_id FROM scanned GROUP BY request_id
-     HAVING count(DISTINCT hash(conversation_id, turn)) > 1))
-+ (SELECT count(*) FROM ids a JOIN ({tags}) b ON a.conversation_id = b.tag AND a.conversation_id <> b.id)
-{engine}"""
+WITH h AS (SELECT id, sha256(id) AS d FROM (SELECT DISTINCT conversation_id AS id FROM ({known}))),
+ids AS (SELECT DISTINCT conversation_id FROM ({logged}) WHERE regexp_full_match(conversation_id, '{_TAG_RE}'))
+SELECT count(*) FROM ids a JOIN ({tags}) b ON a.conversation_id = b.tag AND a.conversation_id <> b.id"""
+
+
+def _engine_events_sql() -> str:
+    """Count the engine events that would change a turn, where explain's correlator and classifier decide:
+    unattached, a non-ok status, an outcome where the router's is missing or only inferred, or a field
+    nobody else states (reads ``turns``)."""
+    return f"""
+WITH p AS (SELECT * FROM raw WHERE source IN ('prefill', 'decode'))
+SELECT count(*) FROM p LEFT JOIN turns t ON p.request_id = t.request_id
+WHERE t.request_id IS NULL
+   OR (p.source = 'prefill' AND ((p.status IS NOT NULL AND p.status <> 'ok')
+       OR (p.outcome IS NOT NULL AND p.outcome <> 'unknown' AND (t.router_outcome IS NULL
+           OR t.router_outcome NOT IN ({_KNOWN}) OR starts_with(coalesce(t.decided_reason, ''), 'inferred')))
+       OR {_engine_field_checks()}))
+"""
+
+
+# On the finished table (one row per joined turn): a turn key on two rows (a repeated event), or a
+# request id on two turns (correlate joins by request id first: it would merge them). A client's id
+# that differs from the router's on the same turn is the one the correlator merges by turn ("lone").
+_REPEATS_SQL: Final = """
+SELECT (SELECT count(*) - count(DISTINCT hash(conversation_id, turn)) FROM result)
+     + (SELECT count(*) - count(DISTINCT rid) FROM (SELECT r_rid AS rid FROM result WHERE r_rid IS NOT NULL
+          UNION ALL SELECT c_rid FROM result WHERE c_rid IS NOT NULL AND c_rid IS DISTINCT FROM r_rid))
+"""
 
 
 # The stock facts joined to each turn (classify._Turn._numbers, _client_gap, _failed): numbers no event
@@ -248,6 +278,8 @@ def fast_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
     if not events:
         return None
     con = duckdb.connect()
+    # pandas' str dtype is Arrow large_string: exported as such, strings need no conversion copy.
+    con.execute("SET arrow_large_buffer_size = true")
     try:
         return _fast_turn_table(con, events, stock)
     except Decline as why:
@@ -265,23 +297,26 @@ def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: l
     # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
     con.execute("CREATE TEMP TABLE raw AS " + _scan_sql(), {"files": events})
     con.execute("CREATE TEMP VIEW scanned AS " + _TURN_EVENTS)
-    # Repeated events (or a hash collision) go to the parser: which one wins is its call.
-    dups, sources = con.sql("SELECT count(*) - count(DISTINCT k), count(DISTINCT source) FROM scanned"
-                            ).fetchall()[0]
-    if dups or not sources:
-        raise Decline("repeated turn events" if dups else "no turn events")
-    present = {row[0] for row in con.sql("SELECT DISTINCT source FROM scanned").fetchall()}
-    sides = ("r", "c") if sources > 1 else ("c",) if present == {"client"} else ("r",)
-    engine_events = bool(con.sql("SELECT count(*) FROM raw WHERE source IN ('prefill', 'decode')"
-                                 ).fetchall()[0][0])
+    anonymous, routers, clients, engine = con.sql("""SELECT
+        count(*) FILTER (WHERE event IN ('client_turn', 'router_turn') AND (conversation_id IS NULL OR turn IS NULL
+                                                                           OR request_id IS NULL OR ts IS NULL)),
+        count(*) FILTER (WHERE event = 'router_turn'), count(*) FILTER (WHERE event = 'client_turn'),
+        count(*) FILTER (WHERE source IN ('prefill', 'decode')) FROM raw""").fetchall()[0]
+    if anonymous:  # joined through request ids (a request sent without a conversation id): correlate's call
+        raise Decline("turn events without a conversation, turn, request id or time")
+    if not routers and not clients:
+        raise Decline("no turn events")
+    sides = ("r", "c") if routers and clients else ("r",) if routers else ("c",)
     if stock:
         load_stock(con, stock)
     # A table only when a later step reads it too; else the join streams into the result.
-    materialize = engine_events or bool(stock)
+    materialize = bool(engine) or bool(stock)
     con.execute(f"CREATE TEMP {'TABLE' if materialize else 'VIEW'} turns AS " + _turns_sql(sides))
-    if con.sql(_needs_correlator_sql(engine_events, bool(stock))).fetchall()[0][0]:
-        raise Decline("turn events only the correlator joins (anonymous, hashed tags, engine events that change "
-                      "a turn)")
+    if engine and con.sql(_engine_events_sql()).fetchall()[0][0]:
+        raise Decline("engine events that change a turn")
+    if con.sql(_tag_candidates_sql(bool(stock))).fetchall()[0][0] and \
+            con.sql(_hashed_tags_sql(bool(stock))).fetchall()[0][0]:
+        raise Decline("conversations logged under another's hashed tag")
     if stock:
         why = _stock_declines(con)
         if why is not None:
@@ -291,12 +326,17 @@ def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: l
     else:
         con.execute("CREATE TEMP VIEW turns_final AS SELECT * FROM turns")
     # Client statistics leave some gaps unknown (a negative one is no gap): then the window is needed anyway.
-    df = con.sql(_final_sql(bool(stock))).to_arrow_table().to_pandas()
-    if bool((df["verdict"] == Verdict.UNKNOWN.value).any()):
-        raise Decline("a turn no event decides: the stock rules (explain) say what it was")
-    if not stock and bool(((df["turn"] > 1) & df["gap_s"].isna()).any()):
+    result = con.sql(_final_sql(bool(stock))).to_arrow_table()
+    if not stock and pc.any(pc.and_(pc.greater(result["turn"], 1), pc.is_null(result["gap_s"]))).as_py():
         # The router states each later turn's gap; only when some is missing pay for the window.
-        df = con.sql(_final_sql(True)).to_arrow_table().to_pandas()
+        result = con.sql(_final_sql(True)).to_arrow_table()
+    con.register("result", result)
+    if con.sql(_REPEATS_SQL).fetchall()[0][0]:
+        raise Decline("repeated turn events, or a request id on two turns")
+    if pc.any(pc.equal(result["verdict"], Verdict.UNKNOWN.value)).as_py():
+        raise Decline("a turn no event decides: the stock rules (explain) say what it was")
+    # Nullable integers straight from Arrow (no float round trip for normalize_table to undo).
+    df = result.drop_columns(["r_rid", "c_rid"]).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
     df["reason"] = df["reason"].fillna("")
     if "_round_gap" in df.columns:
         # classify._client_gap rounds with Python's round (a SQL round may differ in the last digit)
