@@ -14,7 +14,8 @@ both paths give the same table (``DataFrame.equals``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import duckdb
@@ -25,7 +26,8 @@ import pyarrow.compute as pc
 from kvdiag.diagnostics.classify import FAILED_STATUSES, retried_reason
 from kvdiag.diagnostics.correlate import HASH_PREFIX_LENGTHS
 from kvdiag.diagnostics.detect import LogFile, detect
-from kvdiag.diagnostics.report_stock import STOCK_FAILURES_SQL, STOCK_FORMATS, Decline, load_stock
+from kvdiag.diagnostics.report_stock import STOCK_FAILURES_SQL, STOCK_FORMATS, Decline, failure_records, load_stock
+from kvdiag.diagnostics.vllm_log import VllmRecord
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, VERDICT_INFO, Verdict
 
@@ -294,6 +296,19 @@ def fast_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
 
 
 def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFile]) -> pd.DataFrame:
+    engine_logs = [f for f in stock if f.fmt == "vllm"]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 2))) as pool:
+        # The vLLM logs' grep (children, mostly) runs beside DuckDB's scans, as explain's prefilter does.
+        scans = [pool.submit(failure_records, f) for f in engine_logs]
+        try:
+            return _build(con, events, stock, lambda: [s.result() for s in scans])
+        finally:
+            for s in scans:
+                s.cancel()
+
+
+def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFile],
+           engine_records: Callable[[], Sequence[list[VllmRecord]]]) -> pd.DataFrame:
     # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
     con.execute("CREATE TEMP TABLE raw AS " + _scan_sql(), {"files": events})
     con.execute("CREATE TEMP VIEW scanned AS " + _TURN_EVENTS)
@@ -308,7 +323,7 @@ def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: l
         raise Decline("no turn events")
     sides = ("r", "c") if routers and clients else ("r",) if routers else ("c",)
     if stock:
-        load_stock(con, stock)
+        load_stock(con, stock, engine_records)
     # A table only when a later step reads it too; else the join streams into the result.
     materialize = bool(engine) or bool(stock)
     con.execute(f"CREATE TEMP {'TABLE' if materialize else 'VIEW'} turns AS " + _turns_sql(sides))

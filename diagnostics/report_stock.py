@@ -13,7 +13,7 @@ raises Decline, and the caller parses instead: the table must not differ (tests/
 from __future__ import annotations
 
 import gzip
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import duckdb
@@ -259,7 +259,7 @@ def _wanted(line: bytes, role_known: bool) -> bool:
     return not role_known and (b"Declining expired" in line or b"Skipping remote pull" in line)
 
 
-def _failure_records(f: LogFile) -> list[VllmRecord]:
+def failure_records(f: LogFile) -> list[VllmRecord]:
     """The records of one vLLM log that can fail (or hang) a turn, or tell its role; Decline when unsure."""
     # grep splits lines as explain's prefilter does (on LF only); the CR needle finds the lines vllm_log
     # joins to the next one (a line ending in CR), where explain's records may differ from these.
@@ -288,14 +288,13 @@ def _failure_records(f: LogFile) -> list[VllmRecord]:
     return out
 
 
-def load_engine_failures(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) -> None:
-    """Create ``engine_fail``: per vLLM failure line, the header ids it names, its order, and why."""
+def load_engine_failures(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile],
+                         per_file: Sequence[list[VllmRecord]]) -> None:
+    """Create ``engine_fail`` from failure_records of each vLLM log: per failure line, the header ids it
+    names, its order (P's lines, then D's, then the rest), and why."""
     rows: list[tuple[int, int, str, int, str, bool]] = []  # record, position, header id, order, why, retried
     if files:
-        records = []
-        for fi, f in enumerate(files):
-            for rec in _failure_records(f):
-                records.append((fi, rec))
+        records = [(fi, rec) for fi, recs in enumerate(per_file) for rec in recs]
         roles = [f.role for f in files]
         for fi, rec in records:  # correlate.infer_file_roles
             if roles[fi] is None and rec.kind in _PREFILL_KINDS:
@@ -328,9 +327,13 @@ FROM eng FULL OUTER JOIN proxy_fail prx ON eng.request_id = prx.request_id
 """
 
 
-def load_stock(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) -> None:
-    """Create the stock-fact tables (``stats``, ``proxy_req``, ``proxy_fail``, ``engine_fail``)."""
+def load_stock(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile],
+               engine_records: Callable[[], Sequence[list[VllmRecord]]]) -> None:
+    """Create the stock-fact tables (``stats``, ``proxy_req``, ``proxy_fail``, ``engine_fail``).
+
+    ``engine_records`` returns failure_records of each vLLM log among ``files`` (in order): the caller
+    may have started those scans (grep children) to run beside DuckDB's."""
     _check_compression([f for f in files if f.fmt in STOCK_FORMATS])
     load_client_stats(con, [f for f in files if f.fmt == "client_stats"])
     load_proxy(con, [f for f in files if f.fmt == "proxy"])
-    load_engine_failures(con, [f for f in files if f.fmt == "vllm"])
+    load_engine_failures(con, [f for f in files if f.fmt == "vllm"], engine_records())
