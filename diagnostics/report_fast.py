@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 _PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
     "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR", "turn": "BIGINT",
-    "request_id": "VARCHAR", "model": "VARCHAR", "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
+    "request_id": "VARCHAR", "engine_request_id": "VARCHAR", "model": "VARCHAR", "prompt_tokens": "BIGINT",
+    "completion_tokens": "BIGINT",
     "local_hit_tokens": "BIGINT", "remote_offered_tokens": "BIGINT", "remote_read_tokens": "BIGINT",
     "computed_tokens": "BIGINT", "transfer_bytes": "BIGINT", "transfer_ms": "DOUBLE", "ttft_ms": "DOUBLE",
     "duration_ms": "DOUBLE", "prefill_ms": "DOUBLE", "gap_s": "DOUBLE", "entry_age_s": "DOUBLE",
@@ -204,13 +205,15 @@ SELECT count(*) FROM ids a JOIN ({tags}) b ON a.conversation_id = b.tag AND a.co
 
 def _engine_events_sql() -> str:
     """Count the engine events that would change a turn, where explain's correlator and classifier decide:
-    unattached, a non-ok status, an outcome where the router's is missing or only inferred, or a field
-    nobody else states (reads ``turns``)."""
+    one no turn's request id names that correlate could still join (by its engine id, a header id, or
+    its conversation and turn; an engine_start names none), a non-ok status, an outcome where the
+    router's is missing or only inferred, or a field nobody else states (reads ``turns``)."""
     return f"""
 WITH p AS (SELECT * FROM raw WHERE source IN ('prefill', 'decode'))
 SELECT count(*) FROM p LEFT JOIN turns t ON p.request_id = t.request_id
-WHERE t.request_id IS NULL
-   OR (p.source = 'prefill' AND ((p.status IS NOT NULL AND p.status <> 'ok')
+WHERE (t.request_id IS NULL AND (p.request_id IS NOT NULL OR p.engine_request_id IS NOT NULL
+                                 OR (p.conversation_id IS NOT NULL AND p.turn IS NOT NULL)))
+   OR (p.source = 'prefill' AND t.request_id IS NOT NULL AND ((p.status IS NOT NULL AND p.status <> 'ok')
        OR (p.outcome IS NOT NULL AND p.outcome <> 'unknown' AND (t.router_outcome IS NULL
            OR t.router_outcome NOT IN ({_KNOWN}) OR starts_with(coalesce(t.decided_reason, ''), 'inferred')))
        OR {_engine_field_checks()}))

@@ -135,8 +135,14 @@ def test_events_only_the_correlator_joins_decline_the_fast_path(tmp_path: Path, 
 
 
 def test_redundant_prefill_events_keep_the_fast_path(tmp_path: Path) -> None:
-    # gen_logs.py's shape: P's events restate what the router says; they change no turn.
+    # gen_logs.py's shape: P's events restate what the router says; they change no turn. Nor do the
+    # engines' engine_start events, which name no request (the connector writes one per engine).
     files = _demo_like(tmp_path, "plain")
+    for role in ("prefill", "decode"):
+        with open(tmp_path / f"{role}-events.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"v": 1, "ts": 1.0, "source": role, "event": "engine_start", "model": "m",
+                                 "attrs": {"block_size": 16}}) + "\n")
+    files = sorted({*files, str(tmp_path / "decode-events.jsonl")})
     fast = fast_turn_table(files)
     assert fast is not None
     _same(normalize_table(fast), _parsed(files))
