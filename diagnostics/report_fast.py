@@ -28,13 +28,15 @@ from kvdiag.diagnostics.correlate import HASH_PREFIX_LENGTHS
 from kvdiag.diagnostics.detect import LogFile, detect
 from kvdiag.diagnostics.report_stock import STOCK_FAILURES_SQL, STOCK_FORMATS, Decline, failure_records, load_stock
 from kvdiag.diagnostics.vllm_log import VllmRecord
+from kvdiag.schema.events import EVENTS_BY_SOURCE, NON_NEGATIVE, SCHEMA_VERSION, STATUSES
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, VERDICT_INFO, Verdict
 
 log = logging.getLogger(__name__)
 _PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
-    "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR", "turn": "BIGINT",
+    "v": "BIGINT", "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR",
+    "turn": "BIGINT",
     "request_id": "VARCHAR", "engine_request_id": "VARCHAR", "model": "VARCHAR", "prompt_tokens": "BIGINT",
     "completion_tokens": "BIGINT",
     "local_hit_tokens": "BIGINT", "remote_offered_tokens": "BIGINT", "remote_read_tokens": "BIGINT",
@@ -52,12 +54,26 @@ _RENAME: Final = {"ts": "start_ts", "duration_ms": "latency_ms", "remote_read_to
                   "outcome": "verdict"}
 
 
+def _invalid_events_sql() -> str:
+    """Count the scanned events event_from_dict rejects by value (explain counts them as corrupt lines):
+    no or another schema version, an event name foreign to its source, a turn below 1, a negative
+    count or duration, an unknown outcome or status. (Values of the wrong JSON type DuckDB coerces;
+    docs/report.md says so.)"""
+    pairs = " OR ".join(f"(source = '{src}' AND event IN ({', '.join(repr(e) for e in evs)}))"
+                        for src, evs in EVENTS_BY_SOURCE.items())
+    negative = " OR ".join(f"{c} < 0" for c in _COLUMNS if c in NON_NEGATIVE)
+    return f"""SELECT count(*) FROM raw WHERE v IS DISTINCT FROM {SCHEMA_VERSION} OR NOT ({pairs})
+        OR turn < 1 OR {negative} OR outcome NOT IN ({", ".join(f"'{v.value}'" for v in Verdict)})
+        OR status NOT IN ({", ".join(f"'{x}'" for x in STATUSES)})"""
+
+
 def _scan_sql() -> str:
     cols = ", ".join(f"{k}: '{v}'" for k, v in _COLUMNS.items())
     # Engine (prefill/decode) events and turn events without ids are kept for the checks only.
     return (f"SELECT * FROM read_json($files, "
             f"format = 'newline_delimited', columns = {{{cols}}}, ignore_errors = true) "
-            "WHERE event IN ('client_turn', 'router_turn') OR source IN ('prefill', 'decode')")
+            "WHERE event IN ('client_turn', 'router_turn') OR source IN ('prefill', 'decode') "
+            "OR conversation_id IS NOT NULL")  # the last: a client-statistics line the parser would read
 
 
 _TURN_EVENTS: Final = ("SELECT * FROM raw WHERE event IN ('client_turn', 'router_turn') "
@@ -322,6 +338,8 @@ def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFil
         count(*) FILTER (WHERE source IN ('prefill', 'decode')) FROM raw""").fetchall()[0]
     if anonymous:  # joined through request ids (a request sent without a conversation id): correlate's call
         raise Decline("turn events without a conversation, turn, request id or time")
+    if con.sql(_invalid_events_sql()).fetchall()[0][0]:
+        raise Decline("event lines explain rejects as corrupt")
     if not routers and not clients:
         raise Decline("no turn events")
     sides = ("r", "c") if routers and clients else ("r",) if routers else ("c",)

@@ -159,3 +159,24 @@ def test_a_turn_only_stock_logs_show_forces_the_full_parse(tmp_path: Path) -> No
     _same(table, _parsed(files))
     assert "stock-only" in set(table["conversation_id"])
     assert len(table) == sum(len(c.turns) for c in convs) + 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"turn": 0}, {"outcome": "no_such_verdict"}, {"v": 2}, {"status": "weird"}, {"ttft_ms": -1.0},
+    {"event": "client_turn"},  # a client event name from the router
+])
+def test_event_lines_explain_rejects_decline_the_fast_path(tmp_path: Path, bad: dict) -> None:  # type: ignore[type-arg]
+    # explain counts such a line as corrupt and skips it; DuckDB would read it, so it declines
+    router = [json.loads(line) for line in router_events(_convs())]
+    router[4] = {**router[4], **bad}
+    files = [_write(tmp_path / "router-events.jsonl", [json.dumps(r) for r in router])]
+    assert fast_turn_table(files) is None
+    _same(load_turn_table(files), _parsed(files))
+
+
+def test_a_statistics_line_in_an_event_file_declines_the_fast_path(tmp_path: Path) -> None:
+    lines = list(router_events(_convs()))
+    lines.append(json.dumps({"conversation_id": "conv-00001", "ttft_ms": 12.0, "input_num_turns": 1}))
+    files = [_write(tmp_path / "router-events.jsonl", lines)]
+    assert fast_turn_table(files) is None
+    _same(load_turn_table(files), _parsed(files))
