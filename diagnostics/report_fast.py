@@ -33,6 +33,7 @@ from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, VERDICT_INFO, Verdict
 
 log = logging.getLogger(__name__)
+_VERDICT_NAMES: Final = frozenset(v.value for v in Verdict)
 _PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
     "v": "BIGINT", "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR",
@@ -54,17 +55,31 @@ _RENAME: Final = {"ts": "start_ts", "duration_ms": "latency_ms", "remote_read_to
                   "outcome": "verdict"}
 
 
-def _invalid_events_sql() -> str:
-    """Count the scanned events event_from_dict rejects by value (explain counts them as corrupt lines):
-    no or another schema version, an event name foreign to its source, a turn below 1, a negative
-    count or duration, an unknown outcome or status. (Values of the wrong JSON type DuckDB coerces;
+_NUMBERS_CHECKED: Final = tuple(c for c in _COLUMNS if c in NON_NEGATIVE and c != "v")
+# One pass over the scanned events: the counts the checks need, and what event_from_dict checks by value.
+_PROFILE_SQL: Final = f"""SELECT
+    count(*) FILTER (WHERE event IN ('client_turn', 'router_turn') AND (conversation_id IS NULL OR turn IS NULL
+                                                                     OR request_id IS NULL OR ts IS NULL)),
+    count(*) FILTER (WHERE event = 'router_turn'), count(*) FILTER (WHERE event = 'client_turn'),
+    count(*) FILTER (WHERE source IN ('prefill', 'decode')),
+    count(*) FILTER (WHERE v IS DISTINCT FROM {SCHEMA_VERSION} OR source IS NULL OR event IS NULL),
+    list(DISTINCT source || '/' || event) FILTER (WHERE source IS NOT NULL AND event IS NOT NULL),
+    list(DISTINCT outcome) FILTER (WHERE outcome IS NOT NULL),
+    list(DISTINCT status) FILTER (WHERE status IS NOT NULL), min(turn),
+    least({', '.join(f"min({c})" for c in _NUMBERS_CHECKED)})
+FROM raw"""
+_EVENT_PAIRS: Final = frozenset(f"{src}/{e}" for src, evs in EVENTS_BY_SOURCE.items() for e in evs)
+
+
+def _rejected_by_value(bad_version: int, pairs: list[str], outcomes: list[str], statuses: list[str],
+                       min_turn: int | None, min_number: float | None) -> bool:
+    """True when some scanned event is one event_from_dict rejects (explain counts it as a corrupt line):
+    no or another schema version, an event name foreign to its source, a turn below 1, a negative count
+    or duration, an unknown outcome or status. (Values of the wrong JSON type DuckDB coerces;
     docs/report.md says so.)"""
-    pairs = " OR ".join(f"(source = '{src}' AND event IN ({', '.join(repr(e) for e in evs)}))"
-                        for src, evs in EVENTS_BY_SOURCE.items())
-    negative = " OR ".join(f"{c} < 0" for c in _COLUMNS if c in NON_NEGATIVE)
-    return f"""SELECT count(*) FROM raw WHERE v IS DISTINCT FROM {SCHEMA_VERSION} OR NOT ({pairs})
-        OR turn < 1 OR {negative} OR outcome NOT IN ({", ".join(f"'{v.value}'" for v in Verdict)})
-        OR status NOT IN ({", ".join(f"'{x}'" for x in STATUSES)})"""
+    return bool(bad_version or not set(pairs or ()) <= _EVENT_PAIRS or not set(outcomes or ()) <= _VERDICT_NAMES
+                or not set(statuses or ()) <= set(STATUSES) or (min_turn is not None and min_turn < 1)
+                or (min_number is not None and min_number < 0))
 
 
 def _scan_sql() -> str:
@@ -331,14 +346,10 @@ def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFil
     # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
     con.execute("CREATE TEMP TABLE raw AS " + _scan_sql(), {"files": events})
     con.execute("CREATE TEMP VIEW scanned AS " + _TURN_EVENTS)
-    anonymous, routers, clients, engine = con.sql("""SELECT
-        count(*) FILTER (WHERE event IN ('client_turn', 'router_turn') AND (conversation_id IS NULL OR turn IS NULL
-                                                                           OR request_id IS NULL OR ts IS NULL)),
-        count(*) FILTER (WHERE event = 'router_turn'), count(*) FILTER (WHERE event = 'client_turn'),
-        count(*) FILTER (WHERE source IN ('prefill', 'decode')) FROM raw""").fetchall()[0]
+    anonymous, routers, clients, engine, *values = con.sql(_PROFILE_SQL).fetchall()[0]
     if anonymous:  # joined through request ids (a request sent without a conversation id): correlate's call
         raise Decline("turn events without a conversation, turn, request id or time")
-    if con.sql(_invalid_events_sql()).fetchall()[0][0]:
+    if _rejected_by_value(*values):
         raise Decline("event lines explain rejects as corrupt")
     if not routers and not clients:
         raise Decline("no turn events")
