@@ -98,6 +98,10 @@ def load_client_stats(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) 
     for f in files:
         with (gzip.open(f.path, "rb") if f.path.endswith(".gz") else open(f.path, "rb")) as fh:
             layouts["array" if fh.read(4096).lstrip().startswith(b"[") else "newline_delimited"].append(f.path)
+    if layouts["newline_delimited"] and con.sql(
+            f"SELECT count(*) FROM read_csv($p, {_CSV_LINES}) WHERE starts_with(ltrim(line), '[')",
+            params={"p": layouts["newline_delimited"]}).fetchall()[0][0]:
+        raise Decline("a JSON array on one line among JSON lines (explain reads each element)")
     cols = ", ".join(f"{k}: 'JSON'" for k in _STAT_KEYS)
     scans = " UNION ALL ".join(f"SELECT * FROM read_json(${fmt}, format = '{fmt}', columns = {{{cols}}}, "
                                "ignore_errors = true)" for fmt, paths in layouts.items() if paths)

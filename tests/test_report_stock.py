@@ -226,6 +226,12 @@ def _bad_utf8_proxy(out: Path) -> None:
         fh.write(b"2025-11-29 06:55:00 [INFO] disagg_proxy: conv=CONV_ID_1: cache HIT (age=\xff1.0s)\n")
 
 
+def _array_line_in_stats(out: Path) -> None:
+    rows = _jsonl(out / "client-stats.jsonl")
+    lines = [json.dumps(r) for r in rows[:-2]] + [json.dumps(rows[-2:])]
+    (out / "client-stats.jsonl").write_text("\n".join(lines) + "\n")
+
+
 def _stock_only(out: Path) -> None:
     for name in ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl"):
         (out / name).unlink()
@@ -235,7 +241,7 @@ DECLINES: dict[str, Callable[[Path], None]] = {
     "stats with explicit turns": _explicit_turns, "stats for no event's conversation": _orphan_stats,
     "tied stats": _tied_stats, "WAITING_FOR_REMOTE_KVS lines": _hang_lines, "CR-continued vLLM line": _cr_vllm,
     "hashed proxy conversation": _hashed_proxy_conv, "proxy request no event names": _unknown_proxy_request,
-    "invalid UTF-8": _bad_utf8_proxy, "stock logs alone": _stock_only,
+    "invalid UTF-8": _bad_utf8_proxy, "stock logs alone": _stock_only, "array line in stats": _array_line_in_stats,
 }
 
 
