@@ -223,15 +223,33 @@ def _tag_candidates_sql(stock: bool) -> str:
             f"AND regexp_full_match(conversation_id, '{_TAG_RE}')")
 
 
-def _hashed_tags_sql(stock: bool) -> str:
-    """Count the logged ids that are another known id's hashed tag: correlate maps those to that id."""
+def _tag_map_sql(stock: bool) -> str:
+    """The logged ids that are a known id's hashed tag (router --hash-ids), with that id: correlate's
+    tag_to_conv, restricted to the tags that occur."""
     known, logged = _ids_sql(stock)
     # Equi-joins (a UNION per tag length): an OR join condition would compare every pair of ids.
     tags = " UNION ALL ".join(f"SELECT id, left(d, {n}) AS tag FROM h" for n in HASH_PREFIX_LENGTHS)
     return f"""
 WITH h AS (SELECT id, sha256(id) AS d FROM (SELECT DISTINCT conversation_id AS id FROM ({known}))),
 ids AS (SELECT DISTINCT conversation_id FROM ({logged}) WHERE regexp_full_match(conversation_id, '{_TAG_RE}'))
-SELECT count(*) FROM ids a JOIN ({tags}) b ON a.conversation_id = b.tag AND a.conversation_id <> b.id"""
+SELECT DISTINCT a.conversation_id AS tag, b.id AS conv FROM ids a JOIN ({tags}) b
+  ON a.conversation_id = b.tag AND a.conversation_id <> b.id"""
+
+
+def _map_hashed_tags(con: duckdb.DuckDBPyConnection, stock: bool) -> None:
+    """Rewrite hashed tags to the ids they hash, where correlate does: in the events and the proxy lines
+    (not in client statistics, which it reads as logged)."""
+    con.execute("CREATE TEMP TABLE tag_map AS " + _tag_map_sql(stock))
+    if con.sql("SELECT count(*) - count(DISTINCT tag) FROM tag_map").fetchall()[0][0]:
+        raise Decline("a hashed tag that two conversation ids share")  # correlate's pick would be arbitrary
+    con.execute("UPDATE raw SET conversation_id = m.conv FROM tag_map m WHERE raw.conversation_id = m.tag")
+    if stock:
+        # One conversation under both its id and its tag in the proxy log: correlate pairs those lines
+        # (its pending HIT rule) across the two spellings, proxy_req did not.
+        if con.sql("SELECT count(*) FROM tag_map WHERE tag IN (SELECT conv FROM proxy_lines) "
+                   "AND conv IN (SELECT conv FROM proxy_lines)").fetchall()[0][0]:
+            raise Decline("a conversation logged both by its id and by its hashed tag in the proxy log")
+        con.execute("UPDATE proxy_lines SET conv = m.conv FROM tag_map m WHERE proxy_lines.conv = m.tag")
 
 
 def _engine_events_sql() -> str:
@@ -358,12 +376,11 @@ def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFil
         load_stock(con, stock, engine_records)
     # A table only when a later step reads it too; else the join streams into the result.
     materialize = bool(engine) or bool(stock)
+    if con.sql(_tag_candidates_sql(bool(stock))).fetchall()[0][0]:
+        _map_hashed_tags(con, bool(stock))
     con.execute(f"CREATE TEMP {'TABLE' if materialize else 'VIEW'} turns AS " + _turns_sql(sides))
     if engine and con.sql(_engine_events_sql()).fetchall()[0][0]:
         raise Decline("engine events that change a turn")
-    if con.sql(_tag_candidates_sql(bool(stock))).fetchall()[0][0] and \
-            con.sql(_hashed_tags_sql(bool(stock))).fetchall()[0][0]:
-        raise Decline("conversations logged under another's hashed tag")
     if stock:
         why = _stock_declines(con)
         if why is not None:

@@ -127,11 +127,28 @@ def _demo_like(tmp_path: Path, shape: str) -> list[str]:
 
 
 @pytest.mark.parametrize("shape", ["anonymous", "concurrent", "inferred", "prefill-status", "prefill-field",
-                                   "hashed-tag", "unattached-engine-event"])
+                                   "unattached-engine-event"])
 def test_events_only_the_correlator_joins_decline_the_fast_path(tmp_path: Path, shape: str) -> None:
     files = _demo_like(tmp_path, shape)
     assert fast_turn_table(files) is None
     _same(load_turn_table(files), _parsed(files))
+
+
+@pytest.mark.parametrize("how", ["one turn", "every router event"])
+def test_hashed_conversation_tags_are_mapped_back_in_sql(tmp_path: Path, how: str) -> None:
+    # A router run with --hash-ids logs sha256 tags; the client's events name the ids (correlate maps them).
+    files = _demo_like(tmp_path, "hashed-tag")
+    if how == "every router event":
+        path = Path(files[0])
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in rows:
+            if r["conversation_id"].startswith("conv-"):
+                r["conversation_id"] = id_tags(r["conversation_id"])[2]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fast = fast_turn_table(files)
+    assert fast is not None
+    _same(normalize_table(fast), _parsed(files))
+    assert set(fast["conversation_id"]) == {c.conversation_id for c in _convs()}
 
 
 def test_redundant_prefill_events_keep_the_fast_path(tmp_path: Path) -> None:
