@@ -110,43 +110,93 @@ def _id_hash(expr: str) -> str:
     return f"CASE WHEN {expr} IS NOT NULL THEN hash({expr}) END"
 
 
-def _turns_sql(sides: tuple[str, ...]) -> str:
-    """One row per turn from router (r) and/or client (c) events, at most one of each per turn.
+_P_FIELDS: Final = (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens", "conversation_id", "turn")
 
-    The classifier's instrumented path in SQL: per field the client's value, else the router's; the
-    router's outcome, else the client's; the client's status (the router's only when the client states
-    none); and the parts the reason is built from (the deciding event's reason and failure_type, the
-    failed status)."""
+
+def _prefill_sql(ordered: bool) -> str:
+    """P's prefill_request events folded to one row per request id, as classify reads them in file order:
+    each field from the first event stating it, the last failed status and the first status, and the
+    first event with a known outcome (obs_) and with any outcome (grp_). ``ordered``: from p_events
+    (several per request, ``ord`` = file order); else straight from raw (one per request)."""
+    if not ordered:
+        known = f"outcome IN ({_KNOWN})"
+        return f"""SELECT request_id, {', '.join(_P_FIELDS)},
+  CASE WHEN status <> 'ok' THEN status END AS status_bad, status AS status_first,
+  CASE WHEN {known} THEN outcome END AS obs_outcome, CASE WHEN {known} THEN reason END AS obs_reason,
+  CASE WHEN {known} THEN failure_type END AS obs_failure_type,
+  outcome AS grp_outcome, reason AS grp_reason, failure_type AS grp_failure_type
+FROM raw WHERE event = 'prefill_request' AND request_id IS NOT NULL"""
+    firsts = ", ".join(f"arg_min({f}, ord) FILTER (WHERE {f} IS NOT NULL) AS {f}" for f in _P_FIELDS)
+    return f"""WITH a AS (SELECT request_id, {firsts},
+    arg_max(status, ord) FILTER (WHERE status IS NOT NULL AND status <> 'ok') AS status_bad,
+    arg_min(status, ord) FILTER (WHERE status IS NOT NULL) AS status_first,
+    min(ord) FILTER (WHERE outcome IN ({_KNOWN})) AS obs_ord, min(ord) FILTER (WHERE outcome IS NOT NULL) AS grp_ord
+  FROM p_events GROUP BY request_id)
+SELECT a.* EXCLUDE (obs_ord, grp_ord), o.outcome AS obs_outcome, o.reason AS obs_reason,
+  o.failure_type AS obs_failure_type, g.outcome AS grp_outcome, g.reason AS grp_reason,
+  g.failure_type AS grp_failure_type
+FROM a LEFT JOIN p_events o ON o.ord = a.obs_ord LEFT JOIN p_events g ON g.ord = a.grp_ord"""
+
+
+def _turns_sql(sides: tuple[str, ...], prefill: bool) -> str:
+    """One row per turn from router (r) and/or client (c) events, at most one of each per turn, and P's
+    prefill_request event (p) for the turn's request id when ``prefill``.
+
+    The classifier's instrumented path in SQL (classify._Turn._numbers, _instrumented): per field the
+    first event stating it, client then router then P; the status of the client, else the router's
+    unless P's says it failed; the deciding event: the router's outcome unless it is missing, unknown or
+    only inferred while P states one, then P's, then the client's; and the parts the reason is built
+    from (the deciding event's reason and failure_type, the failed status)."""
+    have = (*sides, "p") if prefill else sides
+
     def col(side: str, name: str) -> str:
-        return f"{side}.{name}" if side in sides else "NULL"
+        return f"{side}.{name}" if side in have else "NULL"
 
     def first(name: str) -> str:
-        return f"coalesce({col('c', name)}, {col('r', name)})"
+        return f"coalesce({col('c', name)}, {col('r', name)}, {col('p', name)})"
 
     picks = ",\n  ".join(f"{first(f)} AS {_RENAME.get(f, f)}"
                           for f in (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens"))
-    router_decides = f"{col('r', 'outcome')} IN ({_KNOWN})"
+    # Which event decides, in classify._instrumented's order: P's first event with a known outcome
+    # ("obs_") where the router only inferred its own; P's first event with any outcome ("grp_") in P's turn.
+    deciders = [(f"{col('r', 'outcome')} IS NOT NULL AND starts_with(coalesce({col('r', 'reason')}, ''), 'inferred') "
+                 f"AND {col('p', 'obs_outcome')} IS NOT NULL", "p", "obs_"),
+                (f"{col('r', 'outcome')} IN ({_KNOWN})", "r", ""),
+                (f"{col('p', 'grp_outcome')} IN ({_KNOWN})", "p", "grp_"),
+                (f"{col('c', 'outcome')} IN ({_KNOWN})", "c", "")]
+    deciders = [d for d in deciders if d[1] in have]
+
+    def decided(name: str, default: str = "NULL") -> str:
+        whens = " ".join(f"WHEN {cond} THEN {side}.{prefix}{name}" for cond, side, prefix in deciders)
+        return f"CASE {whens} ELSE {default} END"
+
     fail = [f"WHEN {col('c', 'status')} IN ({_FAILED}) THEN {_why_failed('c') if 'c' in sides else 'NULL'}"]
     if "r" in sides:  # the router's failure counts only when the client did not get its answer
         answered = f"coalesce({col('c', 'status')} = 'ok', false)"
         fail.append(f"WHEN NOT {answered} AND r.status IN ({_FAILED}) THEN {_why_failed('r')}")
+    # _numbers' status loop (client, router, P's events in order) then the client's own: the client's,
+    # else P's last failed one, else the router's, else P's first.
+    status = (f"coalesce({col('c', 'status')}, {col('p', 'status_bad')}, {col('r', 'status')}, "
+              f"{col('p', 'status_first')})")
     if sides == ("r", "c"):
         source = ("r FULL OUTER JOIN c ON r.conversation_id = c.conversation_id AND r.turn = c.turn")
         with_ = ("WITH r AS (SELECT * FROM scanned WHERE source = 'router'), "
-                 "c AS (SELECT * FROM scanned WHERE source = 'client') ")
+                 "c AS (SELECT * FROM scanned WHERE source = 'client')")
     else:
         source, with_ = f"scanned AS {sides[0]}", ""
+    if prefill:  # p_prefill: one row per request id (_prefill_sql)
+        rid = f"coalesce({col('r', 'request_id')}, {col('c', 'request_id')})"
+        source = f"{source} LEFT JOIN p_prefill p ON p.request_id = {rid}"
     return f"""{with_}
 SELECT {first('conversation_id')} AS conversation_id, {first('turn')} AS turn,
   coalesce({col('r', 'request_id')}, {col('c', 'request_id')}) AS request_id,
   {picks},
-  CASE WHEN {router_decides} THEN {col('r', 'outcome')} WHEN {col('c', 'outcome')} IN ({_KNOWN})
-       THEN {col('c', 'outcome')} ELSE 'unknown' END AS verdict,
+  {decided('outcome', "'unknown'")} AS verdict,
   {col('r', 'outcome')} AS router_outcome,
-  CASE WHEN {router_decides} THEN {col('r', 'reason')} ELSE {col('c', 'reason')} END AS decided_reason,
-  CASE WHEN {router_decides} THEN {col('r', 'failure_type')} ELSE {col('c', 'failure_type')} END AS decided_ft,
+  {decided('reason')} AS decided_reason,
+  {decided('failure_type')} AS decided_ft,
   CASE {' '.join(fail)} END AS failed_why,
-  {first('status')} AS status,
+  {status} AS status,
   {col('c', 'status')} AS client_status,
   {_id_hash(col('r', 'request_id'))} AS r_rid, {_id_hash(col('c', 'request_id'))} AS c_rid
 FROM {source}
@@ -199,12 +249,6 @@ FROM t
 """
 
 
-def _engine_field_checks() -> str:
-    # A prefill event states a field the client and router events leave unknown: the classifier takes it.
-    names = (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens", "status")
-    return " OR ".join(f"(p.{f} IS NOT NULL AND t.{_RENAME.get(f, f)} IS NULL)" for f in names)
-
-
 def _ids_sql(stock: bool) -> tuple[str, str]:
     # The conversation ids correlate knows (events, client statistics) and all it reads (+ the proxy's).
     known = "SELECT conversation_id FROM scanned" + (" UNION ALL SELECT conversation_id FROM stats" if stock else "")
@@ -253,19 +297,14 @@ def _map_hashed_tags(con: duckdb.DuckDBPyConnection, stock: bool) -> None:
 
 
 def _engine_events_sql() -> str:
-    """Count the engine events that would change a turn, where explain's correlator and classifier decide:
-    one no turn's request id names that correlate could still join (by its engine id, a header id, or
-    its conversation and turn; an engine_start names none), a non-ok status, an outcome where the
-    router's is missing or only inferred, or a field nobody else states (reads ``turns``)."""
-    return f"""
+    """Count the engine events correlate could join where the SQL does not: one no turn's request id
+    names but that names some request (by a header id or its engine id) or a conversation and turn (an
+    engine_start names none). Reads ``turns``."""
+    return """
 WITH p AS (SELECT * FROM raw WHERE source IN ('prefill', 'decode'))
-SELECT count(*) FROM p LEFT JOIN turns t ON p.request_id = t.request_id
-WHERE (t.request_id IS NULL AND (p.request_id IS NOT NULL OR p.engine_request_id IS NOT NULL
-                                 OR (p.conversation_id IS NOT NULL AND p.turn IS NOT NULL)))
-   OR (p.source = 'prefill' AND t.request_id IS NOT NULL AND ((p.status IS NOT NULL AND p.status <> 'ok')
-       OR (p.outcome IS NOT NULL AND p.outcome <> 'unknown' AND (t.router_outcome IS NULL
-           OR t.router_outcome NOT IN ({_KNOWN}) OR starts_with(coalesce(t.decided_reason, ''), 'inferred')))
-       OR {_engine_field_checks()}))
+SELECT (SELECT count(*) FROM p LEFT JOIN turns t ON p.request_id = t.request_id
+        WHERE t.request_id IS NULL AND (p.request_id IS NOT NULL OR p.engine_request_id IS NOT NULL
+                                        OR (p.conversation_id IS NOT NULL AND p.turn IS NOT NULL)))
 """
 
 
@@ -359,6 +398,21 @@ def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: l
                 s.cancel()
 
 
+def _fold_prefill_events(con: duckdb.DuckDBPyConnection, events: list[str]) -> None:
+    """Create ``p_prefill``. A request P ran twice (the router retried it) needs the events' file order:
+    the event files are read again for those requests only, numbered in order (DuckDB keeps it)."""
+    retried = con.sql("SELECT count(*) FROM (SELECT request_id FROM raw WHERE event = 'prefill_request' "
+                      "AND request_id IS NOT NULL GROUP BY request_id HAVING count(*) > 1)").fetchall()[0][0]
+    if retried:
+        con.execute(f"""CREATE TEMP TABLE p_events AS SELECT row_number() OVER () AS ord, * FROM ({_scan_sql()})
+            WHERE event = 'prefill_request' AND request_id IN (SELECT request_id FROM raw
+              WHERE event = 'prefill_request' GROUP BY request_id HAVING count(*) > 1)""", {"files": events})
+        con.execute(f"""CREATE TEMP TABLE p_prefill AS {_prefill_sql(True)} UNION ALL BY NAME
+            {_prefill_sql(False)} AND request_id NOT IN (SELECT request_id FROM p_events)""")
+    else:
+        con.execute(f"CREATE TEMP VIEW p_prefill AS {_prefill_sql(False)}")
+
+
 def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFile],
            engine_records: Callable[[], Sequence[list[VllmRecord]]]) -> pd.DataFrame:
     # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
@@ -378,7 +432,9 @@ def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFil
     materialize = bool(engine) or bool(stock)
     if con.sql(_tag_candidates_sql(bool(stock))).fetchall()[0][0]:
         _map_hashed_tags(con, bool(stock))
-    con.execute(f"CREATE TEMP {'TABLE' if materialize else 'VIEW'} turns AS " + _turns_sql(sides))
+    if engine:
+        _fold_prefill_events(con, events)
+    con.execute(f"CREATE TEMP {'TABLE' if materialize else 'VIEW'} turns AS " + _turns_sql(sides, bool(engine)))
     if engine and con.sql(_engine_events_sql()).fetchall()[0][0]:
         raise Decline("engine events that change a turn")
     if stock:

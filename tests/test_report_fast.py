@@ -117,6 +117,11 @@ def _demo_like(tmp_path: Path, shape: str) -> list[str]:
         prefill[9]["computed_tokens"] = 12
     elif shape == "hashed-tag":  # a router logging the hashed conversation tag instead of the id
         router[2]["conversation_id"] = id_tags(router[2]["conversation_id"])[1]
+    elif shape == "prefill-retried":  # P ran a request twice: which event states a field first is file order
+        del client[6]["status"], router[6]["computed_tokens"]
+        prefill.insert(6, {**prefill[6], "status": "error", "outcome": Verdict.TRANSFER_FAILED.value,
+                           "computed_tokens": 7, "reason": "inferred: first attempt"})
+        prefill[7]["computed_tokens"] = 8
     elif shape == "unattached-engine-event":
         # an engine event no turn event names, but stating its conversation and turn: a turn of its own
         prefill.append({**prefill[0], "request_id": "nobody-sent-this", "conversation_id": "conv-00000",
@@ -126,8 +131,25 @@ def _demo_like(tmp_path: Path, shape: str) -> list[str]:
                                ("prefill-events.jsonl", prefill))]
 
 
-@pytest.mark.parametrize("shape", ["anonymous", "concurrent", "inferred", "prefill-status", "prefill-field",
-                                   "unattached-engine-event"])
+@pytest.mark.parametrize("shape", ["inferred", "prefill-status", "prefill-field", "prefill-retried"])
+def test_prefill_events_that_change_a_turn_are_modelled(tmp_path: Path, shape: str) -> None:
+    # P's event decides where the router only inferred; P's failed status and a field only P states count
+    files = _demo_like(tmp_path, shape)
+    fast = fast_turn_table(files)
+    assert fast is not None
+    slow = _parsed(files)
+    _same(normalize_table(fast), slow)
+    if shape == "inferred":
+        assert (slow["verdict"] == Verdict.EXPIRED_REMOTE_READ.value).any()
+    if shape == "prefill-status":
+        assert (slow["status"] == "error").any()
+    if shape == "prefill-field":
+        assert (slow["computed_tokens"] == 12).any()
+    if shape == "prefill-retried":  # the failed first attempt's status stands; the router's outcome decides
+        assert (slow["status"] == "error").any()
+
+
+@pytest.mark.parametrize("shape", ["anonymous", "concurrent", "unattached-engine-event"])
 def test_events_only_the_correlator_joins_decline_the_fast_path(tmp_path: Path, shape: str) -> None:
     files = _demo_like(tmp_path, shape)
     assert fast_turn_table(files) is None
