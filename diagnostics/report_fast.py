@@ -363,7 +363,7 @@ def fast_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
     """The turn table (report.TABLE_COLUMNS) computed in DuckDB, from event files and the stock logs beside them.
 
     None when there are no event files, or a shape only explain's correlator decides (anonymous or repeated
-    turn events, engine events that change a turn, stock lines the SQL does not model; report_stock.Decline):
+    turn events, engine events it cannot join by request id, stock lines the SQL does not model; Decline):
     the caller then parses them (the table must not differ)."""
     detected = detect(files)
     events = [f.path for f in detected if f.fmt == "events"]
@@ -436,7 +436,7 @@ def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFil
         _fold_prefill_events(con, events)
     con.execute(f"CREATE TEMP {'TABLE' if materialize else 'VIEW'} turns AS " + _turns_sql(sides, bool(engine)))
     if engine and con.sql(_engine_events_sql()).fetchall()[0][0]:
-        raise Decline("engine events that change a turn")
+        raise Decline("engine events only the correlator joins (by an engine or header id, or conversation and turn)")
     if stock:
         why = _stock_declines(con)
         if why is not None:
