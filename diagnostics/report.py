@@ -117,7 +117,8 @@ def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
         raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
     # Column by column, and only where the dtype differs: on a million-row table a blanket copy costs
     # more than the aggregations.
-    out = df.loc[:, list(TABLE_COLUMNS)]
+    # Already in order (report_fast's table): a shallow copy, so a converted column never touches df.
+    out = df.copy(deep=False) if list(df.columns) == list(TABLE_COLUMNS) else df.loc[:, list(TABLE_COLUMNS)]
     for cols, dtype in ((_FLOAT_COLUMNS, "float64"), (_INT_COLUMNS, "Int64"), (_STR_COLUMNS, "str"),
                         (("reused", "eligible"), "bool")):
         for c in cols:
@@ -351,7 +352,7 @@ def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = Non
         cached = parquet.load_cached_table(files, cache_dir, TABLE_VERSION)
         if cached is not None:
             return normalize_table(cached)
-    fast_table = fast_turn_table(files) if fast else None
+    fast_table = fast_turn_table(files, columns=TABLE_COLUMNS) if fast else None
     if fast_table is not None:
         df = normalize_table(fast_table)
     else:  # stock logs, or events only explain's correlator can join (report_fast says which)

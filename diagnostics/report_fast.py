@@ -359,12 +359,13 @@ def _stock_declines(con: duckdb.DuckDBPyConnection) -> str | None:
     return None
 
 
-def fast_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
+def fast_turn_table(files: Sequence[str], columns: Sequence[str] | None = None) -> pd.DataFrame | None:
     """The turn table (report.TABLE_COLUMNS) computed in DuckDB, from event files and the stock logs beside them.
 
     None when there are no event files, or a shape only explain's correlator decides (anonymous or repeated
     turn events, engine events it cannot join by request id, stock lines the SQL does not model; Decline):
-    the caller then parses them (the table must not differ)."""
+    the caller then parses them (the table must not differ). ``columns``: the order to give the table
+    (report.TABLE_COLUMNS: normalize_table then copies nothing)."""
     detected = detect(files)
     events = [f.path for f in detected if f.fmt == "events"]
     stock = [f for f in detected if f.fmt in STOCK_FORMATS]
@@ -374,7 +375,7 @@ def fast_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
     # pandas' str dtype is Arrow large_string: exported as such, strings need no conversion copy.
     con.execute("SET arrow_large_buffer_size = true")
     try:
-        return _fast_turn_table(con, events, stock)
+        return _fast_turn_table(con, events, stock, columns)
     except Decline as why:
         log.debug("report: parsing the logs (the DuckDB path declined: %s)", why)
         return None
@@ -386,13 +387,14 @@ def fast_turn_table(files: Sequence[str]) -> pd.DataFrame | None:
         con.close()
 
 
-def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFile]) -> pd.DataFrame:
+def _fast_turn_table(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFile],
+                     columns: Sequence[str] | None) -> pd.DataFrame:
     engine_logs = [f for f in stock if f.fmt == "vllm"]
     with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 2))) as pool:
         # The vLLM logs' grep (children, mostly) runs beside DuckDB's scans, as explain's prefilter does.
         scans = [pool.submit(failure_records, f) for f in engine_logs]
         try:
-            return _build(con, events, stock, lambda: [s.result() for s in scans])
+            return _build(con, events, stock, lambda: [s.result() for s in scans], columns)
         finally:
             for s in scans:
                 s.cancel()
@@ -414,7 +416,7 @@ def _fold_prefill_events(con: duckdb.DuckDBPyConnection, events: list[str]) -> N
 
 
 def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFile],
-           engine_records: Callable[[], Sequence[list[VllmRecord]]]) -> pd.DataFrame:
+           engine_records: Callable[[], Sequence[list[VllmRecord]]], columns: Sequence[str] | None) -> pd.DataFrame:
     # Materialized once inside DuckDB (no Arrow round trip); the checks and the join read it.
     con.execute("CREATE TEMP TABLE raw AS " + _scan_sql(), {"files": events})
     con.execute("CREATE TEMP VIEW scanned AS " + _TURN_EVENTS)
@@ -456,7 +458,10 @@ def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFil
     if pc.any(pc.equal(result["verdict"], Verdict.UNKNOWN.value)).as_py():
         raise Decline("a turn no event decides: the stock rules (explain) say what it was")
     # Nullable integers straight from Arrow (no float round trip for normalize_table to undo).
-    df = result.drop_columns(["r_rid", "c_rid"]).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
+    result = result.drop_columns(["r_rid", "c_rid"])
+    if columns is not None:  # Arrow reorders without copying; pandas would copy every column
+        result = result.select([*columns, *(c for c in result.column_names if c not in columns)])
+    df = result.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
     df["reason"] = df["reason"].fillna("")
     if "_round_gap" in df.columns:
         # classify._client_gap rounds with Python's round (a SQL round may differ in the last digit)
