@@ -42,18 +42,8 @@ def _sql_str(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _groups(pattern_groups: dict[str, int]) -> list[str]:
-    return [n for n, _ in sorted(pattern_groups.items(), key=lambda kv: kv[1])]
-
-
 _CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = '\\x01', quote = '', escape = '', "
-                     "new_line = '\\n', strict_mode = false, max_line_size = 1000000")
-
-
-def _lines(paths: Sequence[str]) -> str:
-    """One row per physical line (split on LF only, like grep), with its file index and line order."""
-    return " UNION ALL ".join(f"SELECT {i} AS f, row_number() OVER () AS n, line FROM read_csv($p{i}, {_CSV_LINES})"
-                              for i in range(len(paths)))
+                     "strict_mode = false, max_line_size = 1000000")
 
 
 def _params(paths: Sequence[str]) -> dict[str, str]:
