@@ -1,14 +1,14 @@
 """The turn table with DuckDB, from kvdiag event files and the stock logs beside them: report's fast path.
 
-The per-turn facts are stated by the router (outcome merged with P's report) and the client (TTFT,
-duration): DuckDB scans them at its own speed instead of Python parsing each line. The rules mirror the
-classifier's instrumented path (kvdiag.diagnostics.classify): per field the client's value wins over
-the router's, the outcome is the router's (else the client's), the client's status wins, and the
-reason is built as the classifier builds it. Stock logs beside the events (client statistics, the proxy
-log, vLLM's failure lines) add what they add to those turns (report_stock.py). Where the inputs have a
-shape only explain's correlator joins (_needs_correlator_sql, report_stock.Decline) the fast path
-declines (None) rather than differ. tests/test_report_fast.py and tests/test_report_stock.py check that
-both paths give the same table (``DataFrame.equals``).
+The per-turn facts are stated by the router (outcome merged with P's report), the client (TTFT,
+duration) and P's connector: DuckDB scans them at its own speed instead of Python parsing each line.
+The rules are the classifier's instrumented path (kvdiag.diagnostics.classify): per field the first
+event stating it (client, router, P), the router's outcome unless it is missing or only inferred while P
+states one, the client's status, and the reason built as the classifier builds it. Stock logs beside
+the events (client statistics, the proxy log, vLLM's failure lines) add what they add to those turns
+(report_stock.py). Where the inputs have a shape only explain's correlator joins, the fast path raises
+Decline inside and returns None rather than differ. tests/test_report_fast.py and
+tests/test_report_stock.py check that both paths give the same table (``DataFrame.equals``).
 """
 
 from __future__ import annotations
@@ -37,15 +37,14 @@ _VERDICT_NAMES: Final = frozenset(v.value for v in Verdict)
 _PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
     "v": "BIGINT", "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR",
-    "turn": "BIGINT",
-    "request_id": "VARCHAR", "engine_request_id": "VARCHAR", "model": "VARCHAR", "prompt_tokens": "BIGINT",
-    "completion_tokens": "BIGINT",
+    "turn": "BIGINT", "request_id": "VARCHAR", "engine_request_id": "VARCHAR", "model": "VARCHAR",
+    "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
     "local_hit_tokens": "BIGINT", "remote_offered_tokens": "BIGINT", "remote_read_tokens": "BIGINT",
     "computed_tokens": "BIGINT", "transfer_bytes": "BIGINT", "transfer_ms": "DOUBLE", "ttft_ms": "DOUBLE",
     "duration_ms": "DOUBLE", "prefill_ms": "DOUBLE", "gap_s": "DOUBLE", "entry_age_s": "DOUBLE",
     "outcome": "VARCHAR", "reason": "VARCHAR", "failure_type": "VARCHAR", "status": "VARCHAR", "http_status": "BIGINT",
 }
-# Fields taken client-first, then router (the classifier's order).
+# Fields taken from the first event stating them: client, router, then P (the classifier's order).
 _FIELDS: Final = ("model", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
                   "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s",
                   "failure_type")
