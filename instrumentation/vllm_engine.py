@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import time
 import uuid
@@ -75,9 +76,32 @@ _OPT_CONFIG = {
 }
 
 
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (side channels must not collide)."""
-    with socket.socket() as sock:
+    """A free TCP port on 127.0.0.1 for a NIXL side channel, below the kernel's ephemeral range.
+
+    vLLM binds the side channel seconds after this probe, once its imports are done. A port from the
+    ephemeral range (what binding port 0 returns) may meanwhile become some outgoing connection's
+    source port, and the engine then dies in its handshake listener ("Address already in use") without
+    ever getting ready; below that range only another explicit bind can take it.
+    """
+    low = max(1025, min(_ephemeral_low(), 65536) - 1)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 20000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # a crowded range: fall back to the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
