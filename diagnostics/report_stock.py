@@ -161,7 +161,8 @@ if _PROXY_HEAD == PROXY_RE.pattern:  # the parser's pattern changed shape: fail 
 
 def parse_proxy_lines(con: duckdb.DuckDBPyConnection, paths: Sequence[str]) -> None:
     """Create ``proxy_lines``: the kind and groups proxy_log gives each line of _MARKERS' kinds, in file
-    order (f, n). DuckDB splits lines at CR, LF and CRLF, as explain's reader (bytes.splitlines) does."""
+    order (f, n). Explain's reader (bytes.splitlines) splits at CR, LF and CRLF; DuckDB does so in an LF
+    file but keeps a lone CR inside a line of a CRLF file (``cr``: load_proxy declines)."""
     # A kind is guessed from a literal its pattern contains, then the line is matched once against the
     # proxy's line pattern with that kind's message pattern in place of the message (_FIELD_SQL then
     # cuts the groups out). A proxy line its guess's pattern rejects declines (the parser might match
@@ -179,7 +180,7 @@ def parse_proxy_lines(con: duckdb.DuckDBPyConnection, paths: Sequence[str]) -> N
             continue
         pattern = _sql_str(_PROXY_HEAD + regex.pattern[1:])
         cols = ", ".join(f"{_FIELD_SQL[kind].get(c, 'NULL')} AS {c}" for c in _PROXY_FIELDS)
-        parts.append(f"SELECT f, n, kind, ok, CASE WHEN NOT ok THEN line END AS line, "
+        parts.append(f"SELECT f, n, kind, ok, contains(line, chr(13)) AS cr, CASE WHEN NOT ok THEN line END AS line, "
                      f"{cols} FROM (SELECT *, regexp_matches(line, {pattern}) AS ok, "
                      f"substr(line, strpos(line, ': ') + 2) AS msg FROM proxy_msgs WHERE kind = '{kind}')")
     con.execute("CREATE TEMP TABLE proxy_lines AS " + " UNION ALL ".join(parts))
@@ -187,6 +188,21 @@ def parse_proxy_lines(con: duckdb.DuckDBPyConnection, paths: Sequence[str]) -> N
                ).fetchall()[0][0]:
         raise Decline("a proxy line its kind's pattern rejects")
     con.execute("DELETE FROM proxy_lines WHERE NOT ok")  # lines in no proxy format: the parser skips them too
+
+
+def _has_lone_cr(path: str) -> bool:
+    """True when the file has a CR not followed by LF. Explain's reader splits a line there; DuckDB's
+    reader may too, or, in a file it sniffed as CRLF, eat the next byte with it."""
+    with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as fh:
+        prev_cr = False  # the previous block ended in CR: its LF, if any, starts this block
+        while block := fh.read(8 << 20):
+            if prev_cr and not block.startswith(b"\n"):
+                return True
+            body = block[:-1] if block.endswith(b"\r") else block
+            if body.count(b"\r") != body.count(b"\r\n"):
+                return True
+            prev_cr = block.endswith(b"\r")
+        return prev_cr
 
 
 def load_proxy(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) -> None:
@@ -197,10 +213,16 @@ def load_proxy(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) -> None
         con.execute("CREATE TEMP TABLE proxy_fail (request_id VARCHAR, why VARCHAR)")
         con.execute("CREATE TEMP TABLE proxy_lines (conv VARCHAR)")
         return
+    lone_cr = next((f.path for f in files if _has_lone_cr(f.path)), None)
+    if lone_cr is not None:
+        raise Decline(f"{lone_cr}: a carriage return inside a line")
     parse_proxy_lines(con, [f.path for f in files])
     if con.sql("""SELECT count(*) FROM proxy_lines WHERE (kind IN ('hit', 'stale') AND TRY_CAST(age AS DOUBLE) IS NULL)
                   OR (kind = 'prefill_done' AND TRY_CAST(ms AS DOUBLE) IS NULL)""").fetchall()[0][0]:
         raise Decline("a proxy line with a number Python's float() may read otherwise")
+    if con.sql("SELECT count(*) FROM proxy_lines WHERE cr").fetchall()[0][0]:
+        # A CR inside a line of a CRLF file: DuckDB keeps one line where explain's reader splits two.
+        raise Decline("a carriage return inside a proxy line")
     # Requests: a "[rid] conv=" line (sending/miss/no_handle) names the conversation and takes the
     # hit/stale line logged just before it for that conversation (correlate._proxy_requests' pending).
     many = con.sql("SELECT count(*) FROM (SELECT rid FROM proxy_lines WHERE kind IN ('sending', 'miss', "

@@ -162,7 +162,7 @@ def _lone_cr_proxy(out: Path) -> None:
 KEEPS: dict[str, Callable[[Path], None]] = {
     "as generated": lambda out: None, "client statuses": _client_status, "proxy failed legs": _proxy_failed_legs,
     "engine failure lines": _engine_failure_lines, "files of unknown role": _unknown_roles,
-    "CRLF proxy log": _crlf_proxy, "CR inside a proxy line": _lone_cr_proxy, "gzip": _gzipped,
+    "CRLF proxy log": _crlf_proxy, "gzip": _gzipped,
     "stats document": _stats_document, "corrupt stats line": _corrupt_stats_line,
 }
 
@@ -248,6 +248,7 @@ DECLINES: dict[str, Callable[[Path], None]] = {
     "tied stats": _tied_stats, "WAITING_FOR_REMOTE_KVS lines": _hang_lines, "CR-continued vLLM line": _cr_vllm,
     "hashed proxy conversation": _hashed_proxy_conv, "proxy request no event names": _unknown_proxy_request,
     "invalid UTF-8": _bad_utf8_proxy, "stock logs alone": _stock_only, "array line in stats": _array_line_in_stats,
+    "CR inside a proxy line": _lone_cr_proxy,
 }
 
 
@@ -293,7 +294,8 @@ _TEMPLATES = (
 _FIELDS = ("rid", "conv", "age", "ms", "detail")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the same examples on every CI run (600 random ones passed while this was written)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(_TEMPLATES), _ID, _ID, _NUMBER, st.booleans()), min_size=1, max_size=12))
 def test_proxy_kinds_and_groups_match_the_parser(tmp_path: Path, rows: list[tuple[str, str, str, str, bool]]) -> None:
     lines = [("2025-11-29 06:55:00 [INFO] disagg_proxy: " if proxy else "garbage ") + t.format(c=c, r=r, n=n)
@@ -314,7 +316,8 @@ def test_proxy_kinds_and_groups_match_the_parser(tmp_path: Path, rows: list[tupl
     assert got == want
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the same examples on every CI run (300 random ones passed while this was written)
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), shapes=st.sets(st.sampled_from(sorted(set(KEEPS) - {"as generated", "gzip"})),
                                                    max_size=4), gz=st.booleans())
 def test_combined_reshapings_stay_equal(tmp_path_factory: pytest.TempPathFactory, seed: int, shapes: set[str],
@@ -328,3 +331,15 @@ def test_combined_reshapings_stay_equal(tmp_path_factory: pytest.TempPathFactory
     fast = fast_turn_table(files)
     assert fast is not None, f"{sorted(shapes)}: the DuckDB path declined"
     _same(fast, _parsed(files))
+
+
+
+@pytest.mark.parametrize("seed", [0, 192])
+def test_a_lone_cr_in_a_crlf_proxy_log_declines(tmp_path: Path, seed: int) -> None:
+    # DuckDB read "\r2025-..." as a CRLF line end plus "025-..." on seed 192's file: the line was lost
+    out = _generate(tmp_path / "run", seed=seed)
+    _lone_cr_proxy(out)
+    _crlf_proxy(out)
+    files = _files(out)
+    assert fast_turn_table(files) is None
+    _same(load_turn_table(files), _parsed(files))
