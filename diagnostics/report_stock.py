@@ -46,10 +46,6 @@ _CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = '\\
                      "strict_mode = false, max_line_size = 1000000")
 
 
-def _params(paths: Sequence[str]) -> dict[str, str]:
-    return {f"p{i}": p for i, p in enumerate(paths)}
-
-
 def _check_compression(files: Sequence[LogFile]) -> None:
     for f in files:
         if f.path.endswith(".gz"):
@@ -161,26 +157,28 @@ if _PROXY_HEAD == PROXY_RE.pattern:  # the parser's pattern changed shape: fail 
 
 def parse_proxy_lines(con: duckdb.DuckDBPyConnection, paths: Sequence[str]) -> None:
     """Create ``proxy_lines``: the kind and groups proxy_log gives each line of _MARKERS' kinds, in file
-    order (f, n). Explain's reader (bytes.splitlines) splits at CR, LF and CRLF; DuckDB does so in an LF
-    file but keeps a lone CR inside a line of a CRLF file (``cr``: load_proxy declines)."""
+    order (f, n). load_proxy has declined files with a lone CR, where explain's reader (bytes.splitlines)
+    and DuckDB's may split lines differently."""
     # A kind is guessed from a literal its pattern contains, then the line is matched once against the
     # proxy's line pattern with that kind's message pattern in place of the message (_FIELD_SQL then
     # cuts the groups out). A proxy line its guess's pattern rejects declines (the parser might match
     # another pattern), so the kinds equal proxy_log.classify_proxy_message's.
     guess = " ".join(f"WHEN contains(line, {_sql_str(m)}) THEN '{k}'" for k, m in _MARKERS.items())
     candidate = " OR ".join(f"contains(line, {_sql_str(c)})" for c in _CANDIDATE)
-    # Filtering keeps each file's line order, so the row number after it orders the kept lines.
-    scans = " UNION ALL ".join(
-        f"SELECT {i} AS f, row_number() OVER () AS n, line, kind FROM (SELECT line, CASE {guess} END AS kind "
-        f"FROM read_csv($p{i}, {_CSV_LINES}) WHERE {candidate}) WHERE kind IS NOT NULL" for i in range(len(paths)))
-    con.execute(f"CREATE TEMP TABLE proxy_msgs AS {scans}", _params(paths))
+    # A parallel insert keeps each file's line order (DuckDB's preserve_insertion_order), so the kept
+    # lines' rowid orders them, files one after the other, without a single-threaded window.
+    con.execute("CREATE TEMP TABLE proxy_kept (f INTEGER, line VARCHAR, kind VARCHAR)")
+    for i, path in enumerate(paths):
+        con.execute(f"INSERT INTO proxy_kept SELECT {i}, line, kind FROM (SELECT line, CASE {guess} END AS kind "
+                    f"FROM read_csv($p, {_CSV_LINES}) WHERE {candidate}) WHERE kind IS NOT NULL", {"p": path})
+    con.execute("CREATE TEMP TABLE proxy_msgs AS SELECT f, rowid AS n, line, kind FROM proxy_kept")
     parts = []
     for kind, regex in PROXY_CLASSIFIERS:
         if kind not in _MARKERS:
             continue
         pattern = _sql_str(_PROXY_HEAD + regex.pattern[1:])
         cols = ", ".join(f"{_FIELD_SQL[kind].get(c, 'NULL')} AS {c}" for c in _PROXY_FIELDS)
-        parts.append(f"SELECT f, n, kind, ok, contains(line, chr(13)) AS cr, CASE WHEN NOT ok THEN line END AS line, "
+        parts.append(f"SELECT f, n, kind, ok, CASE WHEN NOT ok THEN line END AS line, "
                      f"{cols} FROM (SELECT *, regexp_matches(line, {pattern}) AS ok, "
                      f"substr(line, strpos(line, ': ') + 2) AS msg FROM proxy_msgs WHERE kind = '{kind}')")
     con.execute("CREATE TEMP TABLE proxy_lines AS " + " UNION ALL ".join(parts))
@@ -220,9 +218,6 @@ def load_proxy(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) -> None
     if con.sql("""SELECT count(*) FROM proxy_lines WHERE (kind IN ('hit', 'stale') AND TRY_CAST(age AS DOUBLE) IS NULL)
                   OR (kind = 'prefill_done' AND TRY_CAST(ms AS DOUBLE) IS NULL)""").fetchall()[0][0]:
         raise Decline("a proxy line with a number Python's float() may read otherwise")
-    if con.sql("SELECT count(*) FROM proxy_lines WHERE cr").fetchall()[0][0]:
-        # A CR inside a line of a CRLF file: DuckDB keeps one line where explain's reader splits two.
-        raise Decline("a carriage return inside a proxy line")
     # Requests: a "[rid] conv=" line (sending/miss/no_handle) names the conversation and takes the
     # hit/stale line logged just before it for that conversation (correlate._proxy_requests' pending).
     many = con.sql("SELECT count(*) FROM (SELECT rid FROM proxy_lines WHERE kind IN ('sending', 'miss', "
