@@ -21,7 +21,7 @@ from kvdiag.diagnostics.vllm_log import VllmRecord, header_request_id
 HASH_PREFIX_LENGTHS: Final = (12, 16, 64)
 # vLLM kinds only a prefill (reader) engine logs: they tell a file's role when its name does not.
 # (D also reads, from P, so read/recv lines say nothing about the role.)
-_PREFILL_KINDS: Final = frozenset({"declining_expired", "skip_remote_pull"})
+PREFILL_KINDS: Final = frozenset({"declining_expired", "skip_remote_pull"})
 
 
 def id_tags(conversation_id: str) -> list[str]:
@@ -104,7 +104,7 @@ def infer_file_roles(index: LogIndex) -> None:
         if rec.kind:
             by_file[rec.path].add(rec.kind)
     for path, kinds in by_file.items():
-        if index.file_roles.get(path) is None and kinds & _PREFILL_KINDS:
+        if index.file_roles.get(path) is None and kinds & PREFILL_KINDS:
             index.file_roles[path] = "prefill"
 
 
@@ -334,7 +334,7 @@ def record_rids(rec: VllmRecord) -> list[str]:
 
 def _reads_from_decode(rec: VllmRecord, facts: TurnFacts) -> bool:
     """For a line of unknown role: is it P's side of a D→P read (not D's side of P→D)?"""
-    if rec.kind in _PREFILL_KINDS:
+    if rec.kind in PREFILL_KINDS:
         return True
     ctx = rec.fields.get("context")
     if rec.kind == "nixl_failure" and isinstance(ctx, dict) and isinstance(ctx.get("remote_request_id"), str):

@@ -103,7 +103,8 @@ def _parse(index: LogIndex, f: LogFile, numbered: Iterable[tuple[int, bytes]]) -
     index.stats.merge(stats)
 
 
-def _is_json_document(f: LogFile) -> bool:
+def is_json_document(f: LogFile) -> bool:
+    """True for a client-statistics file that is one JSON document (an array), not JSON lines."""
     if f.fmt != "client_stats":
         return False
     with open_binary(f.path) as fh:
@@ -116,7 +117,7 @@ def _load(files: list[LogFile], index: LogIndex, lines_for: Callable[[LogFile], 
         index.formats[f.path] = f.fmt
         index.file_roles.setdefault(f.path, f.role)
         try:
-            if _is_json_document(f):
+            if is_json_document(f):
                 with open_binary(f.path) as fh:
                     index.client.extend(parse_json_document(fh.read(), f.path, index.stats))
                 continue

@@ -12,7 +12,6 @@ raises Decline, and the caller parses instead: the table must not differ (tests/
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -20,9 +19,9 @@ import duckdb
 import pandas as pd
 
 from kvdiag.diagnostics.classify import FAILURE_KINDS, PROXY_FAILURE_KINDS, proxy_failure, record_failure
-from kvdiag.diagnostics.correlate import record_rids
-from kvdiag.diagnostics.detect import LogFile
-from kvdiag.diagnostics.explain import VLLM_KEYWORDS
+from kvdiag.diagnostics.correlate import PREFILL_KINDS, record_rids
+from kvdiag.diagnostics.detect import LogFile, open_binary
+from kvdiag.diagnostics.explain import VLLM_KEYWORDS, is_json_document
 from kvdiag.diagnostics.proxy_log import CLASSIFIERS as PROXY_CLASSIFIERS
 from kvdiag.diagnostics.proxy_log import PROXY_RE
 from kvdiag.diagnostics.scan import grep_lines
@@ -30,8 +29,6 @@ from kvdiag.diagnostics.vllm_log import VllmRecord, classify_message, header_req
 
 STOCK_FORMATS: Final = frozenset({"client_stats", "proxy", "vllm"})
 _GROUPS: Final = {"prefill": 0, "decode": 1}  # classify._failed reads P's lines, then D's, then the rest
-# Roles a file of unknown role gets from these kinds (correlate.infer_file_roles).
-_PREFILL_KINDS: Final = frozenset({"declining_expired", "skip_remote_pull"})
 
 
 class Decline(Exception):
@@ -82,8 +79,7 @@ def load_client_stats(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) 
     # JSON lines, or one JSON array (--stats-json-output; explain reads the same two shapes)
     layouts: dict[str, list[str]] = {"newline_delimited": [], "array": []}
     for f in files:
-        with (gzip.open(f.path, "rb") if f.path.endswith(".gz") else open(f.path, "rb")) as fh:
-            layouts["array" if fh.read(4096).lstrip().startswith(b"[") else "newline_delimited"].append(f.path)
+        layouts["array" if is_json_document(f) else "newline_delimited"].append(f.path)
     if layouts["newline_delimited"] and con.sql(
             f"SELECT count(*) FROM read_csv($p, {_CSV_LINES}) WHERE starts_with(ltrim(line), '[')",
             params={"p": layouts["newline_delimited"]}).fetchall()[0][0]:
@@ -191,7 +187,7 @@ def parse_proxy_lines(con: duckdb.DuckDBPyConnection, paths: Sequence[str]) -> N
 def _has_lone_cr(path: str) -> bool:
     """True when the file has a CR not followed by LF. Explain's reader splits a line there; DuckDB's
     reader may too, or, in a file it sniffed as CRLF, eat the next byte with it."""
-    with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as fh:
+    with open_binary(path) as fh:
         prev_cr = False  # the previous block ended in CR: its LF, if any, starts this block
         while block := fh.read(8 << 20):
             if prev_cr and not block.startswith(b"\n"):
@@ -308,7 +304,7 @@ def load_engine_failures(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile
         records = [(fi, rec) for fi, recs in enumerate(per_file) for rec in recs]
         roles = [f.role for f in files]
         for fi, rec in records:  # correlate.infer_file_roles
-            if roles[fi] is None and rec.kind in _PREFILL_KINDS:
+            if roles[fi] is None and rec.kind in PREFILL_KINDS:
                 roles[fi] = "prefill"
         order = 0
         for fi, rec in sorted(records, key=lambda r: (_GROUPS.get(roles[r[0]] or "", 2), r[0], r[1].lineno)):
