@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Final
 
-from kvdiag.schema.verdicts import Verdict
+from kvdiag.schema.verdicts import TrimReason, Verdict
 
 SCHEMA_VERSION: Final = 1
 
@@ -91,6 +91,13 @@ class TurnEvent:
     # D->P transfer as reported by the reader (P)
     transfer_bytes: int | None = None
     transfer_ms: float | None = None
+    # partial reuse: how much of D's handle the router let P read, and why not all of it
+    handle_tokens: int | None = None
+    reuse_limit_tokens: int | None = None
+    trimmed_tokens: int | None = None
+    trim_reason: str | None = None
+    wrong_kv_tokens: int | None = None
+    mismatch_tokens: int | None = None
     # durations
     ttft_ms: float | None = None
     duration_ms: float | None = None
@@ -140,6 +147,7 @@ _FIELD_TYPES: Final[dict[str, tuple[type, ...]]] = {}
 INT_FIELDS: Final = frozenset({
     "v", "turn", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
     "remote_read_tokens", "computed_tokens", "transfer_bytes", "retained_blocks", "http_status",
+    "handle_tokens", "reuse_limit_tokens", "trimmed_tokens", "wrong_kv_tokens", "mismatch_tokens",
 })
 FLOAT_FIELDS: Final = frozenset({
     "ts", "transfer_ms", "ttft_ms", "duration_ms", "prefill_ms", "decode_ms", "router_overhead_ms",
@@ -148,7 +156,7 @@ FLOAT_FIELDS: Final = frozenset({
 STR_FIELDS: Final = frozenset({
     "source", "event", "conversation_id", "request_id", "engine_request_id", "engine_id", "tenant",
     "model", "lookup", "remote_engine_id", "remote_request_id", "release_reason", "outcome", "reason",
-    "failure_type", "status", "trace_id",
+    "failure_type", "status", "trace_id", "trim_reason",
 })
 FIELD_NAMES: Final = tuple(f.name for f in fields(TurnEvent))
 _REQUIRED: Final = ("v", "ts", "source", "event")
@@ -210,6 +218,13 @@ def event_from_dict(obj: Any) -> TurnEvent:
     if "status" in clean and clean["status"] not in STATUSES:
         raise EventFormatError(f"unknown status {clean['status']!r}; expected one of {', '.join(STATUSES)}",
                                field_name="status")
+    if "trim_reason" in clean:
+        try:
+            TrimReason(clean["trim_reason"])
+        except ValueError:
+            raise EventFormatError(
+                f"unknown trim_reason {clean['trim_reason']!r}; expected one of "
+                f"{', '.join(r.value for r in TrimReason)}", field_name="trim_reason") from None
     if "release_reason" in clean and clean["release_reason"] not in RELEASE_REASONS:
         raise EventFormatError(
             f"unknown release_reason {clean['release_reason']!r}; expected one of "
@@ -288,7 +303,7 @@ REPORT_KEY: Final = "kvdiag"
 REPORT_FIELDS: Final = (
     "v", "engine_request_id", "engine_id", "prompt_tokens", "local_hit_tokens", "remote_offered_tokens",
     "remote_read_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "outcome", "reason",
-    "failure_type", "remote_engine_id", "remote_request_id",
+    "failure_type", "remote_engine_id", "remote_request_id", "wrong_kv_tokens", "mismatch_tokens",
 )
 
 
@@ -310,6 +325,10 @@ class PrefillReport:
     failure_type: str | None = None
     remote_engine_id: str | None = None
     remote_request_id: str | None = None
+    # tokens P loaded whose KV was computed for other token ids (the sim's oracle; must stay 0)
+    wrong_kv_tokens: int | None = None
+    # tokens D offered that P's block-hash check found not matching its prompt, so not read
+    mismatch_tokens: int | None = None
     v: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from kvdiag.schema.verdicts import Verdict
+from kvdiag.schema.verdicts import TrimReason, Verdict
 
 MetricType = Literal["counter", "gauge", "histogram", "info"]
 
@@ -55,6 +55,7 @@ class MetricSpec:
 
 
 _OUTCOMES: Final = tuple(v.value for v in Verdict)
+TRIM_REASONS: Final = tuple(r.value for r in TrimReason)
 MISSING_METADATA_REASONS: Final = ("not_streamed", "bidirectional_off_on_decode", "aborted",
                                    "client_disconnected", "decode_failed", "prefill_failed", "unknown")
 UPSTREAM_LEGS: Final = ("prefill", "decode")
@@ -100,6 +101,15 @@ CATALOG: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("kvdiag_prompt_tokens", "counter", "Prompt tokens by how P obtained them.",
                unit="tokens", labels=("model", "source"),
                label_values=(("source", ("local_cache_hit", "remote_read", "computed")),)),
+    MetricSpec("kvdiag_reuse_trimmed_tokens", "counter",
+               "Tokens of D's handle the router did not let P read (partial reuse), by why.",
+               unit="tokens", labels=("model", "reason"), label_values=(("reason", TRIM_REASONS),)),
+    MetricSpec("kvdiag_reuse_trimmed_turns", "counter",
+               "Turns whose handle the router trimmed to the tokens the prompt is proven to reproduce, by why.",
+               labels=("model", "reason"), label_values=(("reason", TRIM_REASONS),)),
+    MetricSpec("kvdiag_reuse_offered_tokens", "counter",
+               "Tokens of D's handles the router let P read (after trimming).",
+               unit="tokens", labels=("model",)),
     MetricSpec("kvdiag_lookups", "counter", "Router handle lookups by result.",
                labels=("result",), label_values=(("result", LOOKUP_RESULTS),)),
     # --- router health ---
@@ -134,6 +144,9 @@ CATALOG: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("kvdiag_connector_threshold_skips", "counter",
                "D->P pulls skipped because the remainder was below kv_recompute_threshold.",
                labels=("model_name", "engine"), component="connector"),
+    MetricSpec("kvdiag_connector_mismatch_tokens", "counter",
+               "Tokens D offered that P's block-hash check found not matching the prompt (not read).",
+               unit="tokens", labels=("model_name", "engine"), component="connector"),
     MetricSpec("kvdiag_connector_retained_requests", "gauge", "Finished requests whose blocks D is holding.",
                labels=("model_name", "engine"), component="connector"),
     MetricSpec("kvdiag_connector_released", "counter", "Retained handles released by D, by reason.",

@@ -106,6 +106,73 @@ REUSED_VERDICTS: frozenset[Verdict] = frozenset(v for v, i in VERDICT_INFO.items
 ELIGIBLE_VERDICTS: frozenset[Verdict] = frozenset(v for v, i in VERDICT_INFO.items() if i.eligible)
 
 
+class TrimReason(StrEnum):
+    """Why the router let P read fewer of D's tokens than D's handle covers (partial reuse)."""
+
+    REASONING_HIDDEN = "reasoning_hidden"
+    REASONING_STRIPPED = "reasoning_stripped"
+    TOOL_CALL_RERENDERED = "tool_call_rerendered"
+    REPLY_EDITED = "reply_edited"
+    REPLY_ABSENT = "reply_absent"
+    HISTORY_EDITED = "history_edited"
+    HISTORY_REASONING = "history_reasoning"
+    UNVERIFIABLE = "unverifiable"
+    TOKEN_MISMATCH = "token_mismatch"
+
+
+@dataclass(frozen=True)
+class TrimInfo:
+    """Documentation and operator guidance for one trim reason."""
+
+    reason: TrimReason
+    summary: str
+    fix: str
+
+
+# A trimmed turn still reuses the tokens the router could prove (the previous prompt, or the last
+# turn boundary before an edit); only D's tokens beyond that are recomputed by P.
+TRIM_INFO: dict[TrimReason, TrimInfo] = {
+    info.reason: info
+    for info in (
+        TrimInfo(TrimReason.REASONING_HIDDEN,
+                 "The request hid the reasoning (include_reasoning: false), so the client cannot send "
+                 "back the tokens D generated; reuse stops at the previous prompt.",
+                 "Expected with hidden reasoning; only the reply is recomputed."),
+        TrimInfo(TrimReason.REASONING_STRIPPED,
+                 "The reply carried reasoning (reasoning_content / reasoning deltas or <think> tags), "
+                 "which chat templates drop from history; reuse stops at the previous prompt.",
+                 "Expected for reasoning models; only the reply is recomputed."),
+        TrimInfo(TrimReason.TOOL_CALL_RERENDERED,
+                 "The reply was a tool call, which the chat template re-renders from the structured "
+                 "message (JSON spacing, key order, wrapper tokens); reuse stops at the previous prompt.",
+                 "Expected for tool calls; --verify-tokens proves and reuses what is identical."),
+        TrimInfo(TrimReason.REPLY_EDITED,
+                 "The assistant message at the reply's position differs from what D generated.",
+                 "Send the reply back unchanged to reuse it."),
+        TrimInfo(TrimReason.REPLY_ABSENT,
+                 "The prompt does not carry the previous reply (a regenerate or a branch from the "
+                 "previous prompt); reuse stops at the previous prompt.",
+                 "Nothing to fix."),
+        TrimInfo(TrimReason.HISTORY_EDITED,
+                 "An earlier message changed (edit, compaction); reuse stops at the last turn "
+                 "boundary before the change.",
+                 "Edit or compact history less often, or accept the recompute."),
+        TrimInfo(TrimReason.HISTORY_REASONING,
+                 "The history carries reasoning that the chat template may render differently once a "
+                 "later user message arrives; reuse stops before it.",
+                 "Do not send reasoning_content back, or use --verify-tokens."),
+        TrimInfo(TrimReason.UNVERIFIABLE,
+                 "The request or reply has a part whose tokens the router cannot check from text "
+                 "(n > 1, stop strings, template options, refusals, an oversized stream).",
+                 "Use --verify-tokens to prove token equality, or drop the option."),
+        TrimInfo(TrimReason.TOKEN_MISMATCH,
+                 "Token-exact verification found the prompt's tokens differing from D's sequence; "
+                 "reuse stops at the first differing block.",
+                 "Check the chat template and the client's history rendering."),
+    )
+}
+
+
 def parse_verdict(value: str) -> Verdict:
     """Return the Verdict named ``value``; raise ValueError listing the valid names."""
     try:

@@ -97,6 +97,9 @@ def _scripted_exposition() -> str:
     m.labels("kvdiag_upstream_errors", leg="prefill", kind="timeout").inc()
     m.counter("kvdiag_concurrent_turns").inc()
     m.counter("kvdiag_client_disconnects").inc()
+    m.labels("kvdiag_reuse_trimmed_tokens", model="Qwen/Qwen3-32B", reason="reasoning_stripped").inc(412)
+    m.labels("kvdiag_reuse_trimmed_turns", model="Qwen/Qwen3-32B", reason="reasoning_stripped").inc()
+    m.labels("kvdiag_reuse_offered_tokens", model="Qwen/Qwen3-32B").inc(1504)
     m.gauge("kvdiag_in_flight_turns").set(0)
     m.gauge("kvdiag_store_entries").set(3)
     m.gauge("kvdiag_store_capacity").set(100000)
@@ -125,6 +128,7 @@ def _scripted_connector_exposition() -> str:
     m.labels("kvdiag_connector_remote_read_tokens", **p).inc(1504)
     m.labels("kvdiag_connector_released", reason="read", **p).inc()
     m.labels("kvdiag_connector_threshold_skips", **p).inc(0)
+    m.labels("kvdiag_connector_mismatch_tokens", **p).inc(0)
     m.labels("kvdiag_emit_errors", component="connector").inc(0)
     return _exposition(registry)
 
