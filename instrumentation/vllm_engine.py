@@ -2,10 +2,15 @@
 
 Real: vLLM's v1 ``Scheduler``, the connector under test in the SCHEDULER and WORKER roles (so
 kvdiag's ``KVDiagNixlConnector`` with NIXL's UCX agent), CPU KV tensors from
-``allocate_kv_cache``, the ZMQ side channel. Stood in: the model forward (it writes a known
-pattern into the KV blocks: K = position + 1, V[h0] = token id % 2048, V[h1] = writer tag) and
-the sampler (deterministic token ids). The step loop copies EngineCore and
-``KVConnectorModelRunnerMixin`` (vllm-bidir-observed.md "How it is built").
+``allocate_kv_cache``, the ZMQ side channel. Stood in: the model forward and the sampler
+(deterministic token ids). The step loop copies EngineCore and ``KVConnectorModelRunnerMixin``.
+
+The forward stand-in writes, for every scheduled position, a slot that is a function of the
+position, its token id and every earlier token id, as a real model's KV is (``fill_slots``):
+K = position + 1, V[h0] = token id % 2048, V[h1] = writer tag, V[h2] = layer + 1, V[h3..h11] =
+99 bits of a hash chained over the token prefix. KV computed for another prefix, another token or
+another position therefore differs in its bytes. With ``writer_tag=0`` on both sides, KV read from
+D and KV P computes itself are byte-identical exactly when the token prefixes are equal.
 
 Import this only in a process that may import vLLM (vLLM's CPU platform pins the process to one
 core; callers restore the affinity they had).
@@ -19,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -197,6 +203,7 @@ class Engine:
         self.reply_plans: dict[str, list[int]] = {}
         self.on_output: Any = None   # called with each EngineCoreOutput (the API server's hook)
         self._next_token = 1000 + 100 * writer_tag
+        self._chains: dict[str, list[bytes]] = {}   # request id -> prefix hash per position (fill_slots)
 
     def _start_worker(self, work_dir: Path) -> None:
         init_distributed_once(work_dir)
@@ -258,6 +265,8 @@ class Engine:
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():
             for out in eco.outputs:
+                if out.finish_reason is not None:
+                    self._chains.pop(out.request_id, None)
                 if self.on_output is not None:
                     self.on_output(out)
                     continue
@@ -282,7 +291,7 @@ class Engine:
         self.received[rid] = {"blocks": blocks, "tokens": n, "bytes": self.block_bytes(blocks), "writers": writers}
 
     def _fake_forward(self, so: Any) -> None:
-        """Write the pattern for every scheduled position (the stand-in for the model forward).
+        """Write ``fill_slots`` for every scheduled position (the stand-in for the model forward).
 
         A layer's block view is [H, N, C] with C = K (64) then V (64).
         """
@@ -290,15 +299,19 @@ class Engine:
             req = self.scheduler.requests[rid]
             start = req.num_computed_tokens - n  # schedule() already advanced it
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            for pos in range(start, start + n):
-                block, slot = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-                token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else 0
-                for layer, cache in enumerate(self.kv_caches.values()):
-                    page = cache[block]
-                    page[:, slot, :HEAD_SIZE] = float(pos + 1)
-                    page[0, slot, HEAD_SIZE:] = float(token % 2048)
-                    page[1, slot, HEAD_SIZE:] = float(self.writer_tag)
-                    page[2, slot, HEAD_SIZE:] = float(layer + 1)
+            chain = self._chains.setdefault(rid, [])
+            if len(self._chains) > 4096:   # finished requests are dropped in step(); bound the rest
+                del self._chains[next(iter(self._chains))]
+            rows = fill_slots(req.all_token_ids, start, n, self.writer_tag, chain)
+            for layer, cache in enumerate(self.kv_caches.values()):
+                rows[:, 2, HEAD_SIZE:] = float(layer + 1)
+                pos, end = start, start + n
+                while pos < end:
+                    slot = pos % BLOCK_SIZE
+                    take = min(BLOCK_SIZE - slot, end - pos)
+                    cache[block_ids[pos // BLOCK_SIZE]][:, slot:slot + take, :] = \
+                        rows[pos - start:pos - start + take].transpose(0, 1)
+                    pos += take
 
     def run(self, request_id: str, max_steps: int = 2000, *, idle_sleep: float = 0.002) -> Any:
         """Step until ``request_id`` finished; return its EngineCoreOutput."""
@@ -314,6 +327,12 @@ class Engine:
         for _ in range(steps):
             self.step()
 
+    def position_bytes(self, block_ids: list[int], n: int) -> list[bytes]:
+        """The raw bytes of positions ``0..n-1`` (all layers, K and V) held in ``block_ids``."""
+        caches = list(self.kv_caches.values())
+        return [b"".join(cache[block_ids[pos // BLOCK_SIZE]][:, pos % BLOCK_SIZE, :].contiguous().numpy().tobytes()
+                         for cache in caches) for pos in range(n)]
+
     def block_bytes(self, block_ids: list[int]) -> list[bytes]:
         """The raw bytes of each block, all layers (for byte-exact checks)."""
         return [b"".join(cache[b].contiguous().numpy().tobytes() for cache in self.kv_caches.values())
@@ -323,6 +342,37 @@ class Engine:
         for part in (self.worker, self.connector):
             if part is not None:
                 part.shutdown()
+
+
+PREFIX_HEADS = range(3, NUM_HEADS)   # V heads carrying the prefix hash, 11 bits each
+PREFIX_BITS = range(len(PREFIX_HEADS))
+
+
+def fill_slots(token_ids: Any, start: int, n: int, writer_tag: int, chain: list[bytes]) -> torch.Tensor:
+    """The KV the forward stand-in writes for positions ``start..start+n-1``, as [n, H, 2 * HEAD_SIZE] fp16.
+
+    ``chain`` caches the prefix hash of each position of this request (extended in place): the hash
+    at position p covers token ids 0..p, so a slot changes whenever any earlier token does. Every
+    value is an integer below 2049, exact in fp16. V[h2] (the layer) is set by the caller.
+    """
+    while len(chain) < start + n:
+        pos = len(chain)
+        token = int(token_ids[pos]) if pos < len(token_ids) else 0
+        parent = chain[-1] if chain else b""
+        chain.append(hashlib.blake2b(parent + token.to_bytes(4, "little"), digest_size=16).digest())
+    rows = torch.empty((n, NUM_HEADS, 2 * HEAD_SIZE), dtype=torch.float16)
+    values = []
+    for pos in range(start, start + n):
+        token = int(token_ids[pos]) if pos < len(token_ids) else 0
+        h = int.from_bytes(chain[pos], "little")
+        values.append([pos + 1, token % 2048, writer_tag, 0, *((h >> (11 * k)) & 2047 for k in PREFIX_BITS)])
+    table = torch.tensor(values, dtype=torch.float16)                    # [n, 4 + prefix heads]
+    rows[:, :, :HEAD_SIZE] = table[:, 0, None, None]
+    rows[:, 0, HEAD_SIZE:] = table[:, 1, None]
+    rows[:, 1, HEAD_SIZE:] = table[:, 2, None]
+    rows[:, 2, HEAD_SIZE:] = 0.0
+    rows[:, PREFIX_HEADS.start:, HEAD_SIZE:] = table[:, 4:, None]
+    return rows
 
 
 def _hash_fn(vllm_config: VllmConfig) -> Any:
