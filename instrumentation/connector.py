@@ -13,8 +13,10 @@ happened (errors in the recording are caught, counted and logged). It adds:
 * on P, ``kv_transfer_params["kvdiag"]``: the PrefillReport (Contract 4 outcome, tokens, NIXL's
   bytes and milliseconds of the D->P read) so the router learns each turn's outcome;
 * on D, ``kv_transfer_params["kvdiag_digest"]``: a compact digest of the held sequence's block
-  hashes; P compares it with its prompt and reports ``prefix_mismatch`` (vLLM issue #43094).
-  With ``kvdiag_pull_matching_prefix: true`` P reads only the matching blocks;
+  hashes; P compares it with its prompt block by block (vLLM issue #43094) and, in exact mode
+  (``kvdiag_pull_matching_prefix``, on by default), reads only the prefix the digest proves equal
+  to its prompt, front-aligned to D's blocks; a divergence is reported as ``prefix_mismatch`` with
+  ``mismatch_tokens``;
 * TurnEvents (``prefill_request``; ``decode_request``, ``kv_retained``, ``kv_released``) to a
   bounded, non-blocking JSON-lines file;
 * ``kvdiag_connector_*`` metrics on vLLM's ``/metrics`` via ``build_prom_metrics``.
@@ -33,11 +35,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from kvdiag.diagnostics.vllm_log import header_request_id
 from kvdiag.instrumentation.guard import Guard
-from kvdiag.instrumentation.report import DIGEST_KEY, DigestError, PrefillView, first_mismatch, make_digest
+from kvdiag.instrumentation.report import DIGEST_KEY, DigestError, PrefillView, check_prefix, make_digest
 from kvdiag.instrumentation.sink import FieldsEventSink
 from kvdiag.instrumentation.stats import KVDiagNixlStats, KVDiagPromMetrics
 from kvdiag.instrumentation.worker import ObservedPullWorker
@@ -61,7 +64,7 @@ class KVDiagConfig:
     events_file: str | None = None
     sink_capacity: int = 10_000
     digest: bool = True                  # D: add kvdiag_digest to its returned params
-    pull_matching_prefix: bool = False   # P: on prefix_mismatch read only the matching blocks
+    pull_matching_prefix: bool = True    # P (exact mode): read only the prefix D's digest proves equal
     role: str | None = None              # "prefill" or "decode": this engine's role (engine_start event)
 
     @classmethod
@@ -75,7 +78,7 @@ class KVDiagConfig:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError("kv_connector_extra_config.kvdiag_sink_capacity must be a positive integer")
         flags = {}
-        for key, default in (("kvdiag_digest", True), ("kvdiag_pull_matching_prefix", False)):
+        for key, default in (("kvdiag_digest", True), ("kvdiag_pull_matching_prefix", True)):
             value = extra.get(key, default)
             if not isinstance(value, bool):
                 raise ValueError(f"kv_connector_extra_config.{key} must be true or false")
@@ -151,6 +154,7 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         self._threshold = 0
         self._bs = 1
         self._ttl = 0.0
+        self._front_aligned = _front_aligned(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
@@ -355,22 +359,43 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
             self._remember(self._tracked, req_id, _Tracked(arrival, decode=view_d))
 
     def _check_digest(self, request: Any, params: dict[str, Any], view: PrefillView) -> None:
+        # Token ids stand for the prompt only without embeddings or multimodal inputs (whose
+        # placeholders repeat): then the partial last block is left unproven.
+        prompt_ids = request.prompt_token_ids if _plain_tokens(request) else None
         try:
-            mismatch, matched = first_mismatch(params[DIGEST_KEY], request.block_hashes, self._bs)
+            check = check_prefix(params[DIGEST_KEY], request.block_hashes, prompt_ids, self._bs,
+                                 view.remote_offered_tokens)
         except DigestError as exc:
             view.attrs["digest_error"] = str(exc)
             return
-        if mismatch is None:
+        view.mismatch_tokens = check.mismatch_tokens
+        if check.mismatch_block is not None:
+            view.mismatch_block = check.mismatch_block
+            view.attrs["matching_blocks"] = check.matched_blocks
+        if not self.kvdiag_config.pull_matching_prefix:
             return
-        view.mismatch_block = mismatch
-        view.attrs["matching_blocks"] = matched
-        if self.kvdiag_config.pull_matching_prefix:
-            # Opt-in: shrink the handle to the blocks that match, so vLLM's own count
-            # (min(remote_num_tokens, prompt) - local) and end-trim read exactly those blocks.
-            matched_tokens = matched * self._bs
-            params["remote_num_tokens"] = min(view.remote_offered_tokens, matched_tokens)
-            params["remote_block_ids"] = [list(group)[:matched] for group in params["remote_block_ids"]]
-            view.attrs["pulled_matching_prefix"] = True
+        # Exact mode: vLLM reads min(remote_num_tokens, prompt) - local tokens into the blocks it
+        # allocates and pairs them with the END of D's block list. Cutting remote_num_tokens to the
+        # proven prefix and every group to its first blocks makes that read exactly the proven
+        # prefix, position for position (a prompt shorter than D's sequence would otherwise get
+        # D's last blocks). A layout whose groups are not position-indexed from the first token
+        # (sliding window, Mamba) cannot be cut safely: then a shortfall reads nothing.
+        target = check.proven_tokens
+        if not self._front_aligned and target < view.remote_offered_tokens:
+            target = 0
+        need = -(-target // self._bs)
+        groups = params["remote_block_ids"]
+        cut = self._front_aligned or target == 0
+        if target == view.remote_offered_tokens and not (cut and any(len(g) > need for g in groups)):
+            return
+        params["remote_num_tokens"] = target
+        if cut:
+            params["remote_block_ids"] = [list(group)[:need] for group in groups]
+        view.pull_limit_tokens = target
+        view.attrs["pulled_matching_prefix"] = True
+        view.attrs["proven_tokens"] = target
+        if check.unverified_tokens:
+            view.attrs["unverified_tokens"] = check.unverified_tokens
 
     def _on_matched(self, tracked: _Tracked, num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
         if tracked.decode is not None:
@@ -489,8 +514,10 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
         blocks = sum(len(group) for group in params.get("remote_block_ids") or ())
         if self.kvdiag_config.digest:
             # Only the checkpoint hashes are read (no copy of the hash list): once per retained request.
-            held = int(params.get("remote_num_tokens") or 0) // self._bs
-            params[DIGEST_KEY] = make_digest(request.block_hashes, self._bs, held)
+            held_tokens = int(params.get("remote_num_tokens") or 0)
+            held = held_tokens // self._bs
+            tail = request.all_token_ids[held * self._bs:held_tokens] if _plain_tokens(request) else None
+            params[DIGEST_KEY] = make_digest(request.block_hashes, self._bs, held, tail)
         self._remember(self._retained, request.request_id, (time.monotonic(), blocks))
         if self._kvdiag_sink is not None:
             self._kvdiag_sink.emit_call(self._retained_fields, request.request_id, blocks,
@@ -518,6 +545,8 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
             self._count("kvdiag_requests", ("prefill", report["outcome"]))
             if report["remote_read_tokens"]:
                 self._count("kvdiag_read_tokens", report["remote_read_tokens"])
+            if view.mismatch_tokens:
+                self._count("kvdiag_mismatch_tokens", view.mismatch_tokens)
             if self._kvdiag_sink is not None:
                 self._kvdiag_sink.emit_call(self._prefill_fields, req_id, tracked, view, report,
                                             time.monotonic() - tracked.arrival, time.time())
@@ -573,7 +602,7 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
             "duration_ms": round(elapsed_s * 1000.0, 3),
             "remote_engine_id": report.get("remote_engine_id"), "remote_request_id": report.get("remote_request_id"),
             "outcome": report["outcome"], "reason": report.get("reason"), "failure_type": report.get("failure_type"),
-            "status": tracked.status, "attrs": attrs}
+            "mismatch_tokens": view.mismatch_tokens, "status": tracked.status, "attrs": attrs}
 
     def _decode_fields(self, req_id: str, tracked: _Tracked, d: _DecodeView, returned_handle: bool,
                        elapsed_s: float, wall: float) -> dict[str, Any]:
@@ -607,3 +636,15 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _plain_tokens(request: Any) -> bool:
+    """True when the request's token ids alone say what its KV covers (no embeddings, no images)."""
+    return getattr(request, "prompt_embeds", None) is None and not getattr(request, "mm_features", None)
+
+
+def _front_aligned(kv_cache_config: Any) -> bool:
+    """True when every KV cache group holds one block per block_size tokens from the first token,
+    so the first N block ids of D's list are positions 0..N*block_size-1 (full attention, MLA)."""
+    groups: list[Any] = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    return bool(groups) and all(type(g.kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec) for g in groups)

@@ -64,7 +64,7 @@ class Options:
     log_file: str | None = None
     log_level: str = "INFO"
     ready_file: str | None = None
-    pull_matching_prefix: bool = False
+    pull_matching_prefix: bool = True     # the connector's exact mode (kvdiag_pull_matching_prefix)
     seed: int = 0
 
 
@@ -429,7 +429,8 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--log-file", default=None)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--ready-file", default=None)
-    p.add_argument("--pull-matching-prefix", action="store_true")
+    p.add_argument("--pull-matching-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="exact mode: P reads only the prefix D's block-hash digest proves equal to its prompt")
     a = p.parse_args(argv)
     return Options(role=a.role, host=a.host, port=a.port, side_channel_port=a.side_channel_port, model=a.model,
                    engine_id=a.engine_id, bidirectional=not a.no_bidirectional,

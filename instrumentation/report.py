@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -51,6 +52,10 @@ class PrefillView:
     request_failed: bool = False
     failed_reason: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    # P's block-hash check: tokens D offered that did not match the prompt (None: no check ran)
+    mismatch_tokens: int | None = None
+    # remote_num_tokens P let vLLM count after its check (None: the handle's own)
+    pull_limit_tokens: int | None = None
 
     def read_started(self, tokens: int) -> None:
         """P posted (or is about to post) the D->P read of ``tokens`` tokens."""
@@ -71,7 +76,9 @@ class PrefillView:
     @property
     def remainder_tokens(self) -> int:
         """vLLM's D->P count: ``min(remote_num_tokens, prompt_tokens) - local_hit_tokens``."""
-        return min(self.remote_offered_tokens, self.prompt_tokens) - self.local_hit_tokens
+        remote = self.remote_offered_tokens if self.pull_limit_tokens is None else \
+            min(self.remote_offered_tokens, self.pull_limit_tokens)
+        return min(remote, self.prompt_tokens) - self.local_hit_tokens
 
     def outcome(self, *, bidirectional: bool, threshold: int) -> tuple[Verdict, str | None]:
         """Contract 4, in order; returns the verdict and a short reason."""
@@ -135,6 +142,8 @@ class PrefillView:
             out["remote_engine_id"] = self.remote_engine_id
         if self.remote_request_id is not None:
             out["remote_request_id"] = self.remote_request_id
+        if self.mismatch_tokens is not None:
+            out["mismatch_tokens"] = self.mismatch_tokens
         return out
 
 
@@ -146,25 +155,47 @@ DIGEST_BYTES: Final = 4          # bytes kept per checkpoint (hex: 8 chars)
 MAX_CHECKPOINTS: Final = 256     # bounds the params size whatever the sequence length
 
 
-def make_digest(block_hashes: Sequence[bytes], block_size: int, count: int | None = None) -> dict[str, Any]:
+def tail_hash(parent: bytes, tokens: Sequence[int]) -> str:
+    """The digest's end checkpoint: the last full block's hash chained with the tokens after it."""
+    data = bytes(parent) + b"|" + ",".join(map(str, tokens)).encode()
+    return hashlib.sha256(data).digest()[:DIGEST_BYTES].hex()
+
+
+def make_digest(block_hashes: Sequence[bytes], block_size: int, count: int | None = None,
+                tail: Sequence[int] | None = None) -> dict[str, Any]:
     """A compact digest of the first ``count`` (default: all) chained block hashes: a short
-    prefix of every ``stride``-th hash.
+    prefix of every ``stride``-th hash, and with ``tail`` (the < block_size tokens held after those
+    blocks) an end checkpoint over the last block's hash and those tokens.
 
     vLLM's block hashes chain the parent's hash, so equal hashes at block ``i`` mean equal
     tokens in blocks ``0..i``; a checkpoint every ``stride`` blocks bounds the first divergence
-    to one stride. Only the checkpoint hashes are touched (no copy of the list).
+    to one stride, and the end checkpoint proves the whole held sequence (the blocks after the
+    last stride checkpoint and the partial block). Only the checkpoint hashes are touched.
     """
     n = len(block_hashes) if count is None else max(0, min(count, len(block_hashes)))
     stride = max(1, -(-n // MAX_CHECKPOINTS))
     checkpoints = [bytes(h[:DIGEST_BYTES]).hex() for h in block_hashes[stride - 1:n:stride]]
-    return {"block_size": block_size, "stride": stride, "blocks": n, "h": checkpoints}
+    digest: dict[str, Any] = {"block_size": block_size, "stride": stride, "blocks": n, "h": checkpoints}
+    if tail is not None and n >= 1 and len(tail) < block_size:
+        digest["tail"] = {"n": len(tail), "h": tail_hash(block_hashes[n - 1], tail)}
+    return digest
 
 
 class DigestError(ValueError):
     """A digest received in kv_transfer_params is malformed (client-supplied: never trusted)."""
 
 
-def _parse_digest(obj: Any) -> tuple[int, int, int, list[str]]:
+@dataclass(frozen=True, slots=True)
+class _Digest:
+    block_size: int
+    stride: int
+    blocks: int
+    hashes: list[str]
+    tail_tokens: int | None = None
+    tail: str | None = None
+
+
+def _parse_digest(obj: Any) -> _Digest:
     if not isinstance(obj, dict):
         raise DigestError("digest must be an object")
     block_size, stride, blocks, hashes = obj.get("block_size"), obj.get("stride"), obj.get("blocks"), obj.get("h")
@@ -178,7 +209,14 @@ def _parse_digest(obj: Any) -> tuple[int, int, int, list[str]]:
     assert isinstance(block_size, int) and isinstance(stride, int) and isinstance(blocks, int)
     if stride < 1 or len(hashes) != blocks // stride:
         raise DigestError("digest checkpoint count does not match blocks/stride")
-    return block_size, stride, blocks, hashes
+    tail = obj.get("tail")
+    if tail is None:
+        return _Digest(block_size, stride, blocks, hashes)
+    n, h = (tail.get("n"), tail.get("h")) if isinstance(tail, dict) else (None, None)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < block_size or blocks < 1 \
+            or not isinstance(h, str) or len(h) != 2 * DIGEST_BYTES:
+        raise DigestError("digest field 'tail' must be {\"n\": tokens below block_size, \"h\": 8 hex characters}")
+    return _Digest(block_size, stride, blocks, hashes, n, h)
 
 
 def first_mismatch(digest: Any, prompt_hashes: Sequence[bytes], block_size: int) -> tuple[int | None, int]:
@@ -188,15 +226,70 @@ def first_mismatch(digest: Any, prompt_hashes: Sequence[bytes], block_size: int)
     known to differ, and how many leading blocks are known to match (a multiple of the stride).
     Only the blocks both sides hold are compared. Raises DigestError on a malformed digest.
     """
-    d_block_size, stride, _blocks, hashes = _parse_digest(digest)
-    if d_block_size != block_size:
-        raise DigestError(f"digest block_size {d_block_size} differs from P's {block_size}")
+    d = _parse_digest(digest)
+    if d.block_size != block_size:
+        raise DigestError(f"digest block_size {d.block_size} differs from P's {block_size}")
+    return _compare(d, prompt_hashes, len(prompt_hashes))
+
+
+def _compare(d: _Digest, prompt_hashes: Sequence[bytes], limit: int) -> tuple[int | None, int]:
     matched = 0
-    for k, checkpoint in enumerate(hashes):
-        index = (k + 1) * stride - 1
-        if index >= len(prompt_hashes):
+    for k, checkpoint in enumerate(d.hashes):
+        index = (k + 1) * d.stride - 1
+        if index >= limit:
             break
         if bytes(prompt_hashes[index])[:DIGEST_BYTES].hex() != checkpoint:
             return matched, matched
         matched = index + 1
     return None, matched
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCheck:
+    """What P's block-hash check proved about the tokens a D handle offers."""
+
+    offered_tokens: int            # min(remote_num_tokens, prompt): what vLLM would read
+    proven_tokens: int             # leading tokens of those proven equal to D's sequence
+    matched_blocks: int            # leading full blocks proven equal
+    mismatch_block: int | None     # first block not proven, when a comparison failed
+
+    @property
+    def mismatch_tokens(self) -> int:
+        """Offered tokens past the proven prefix when the check found a divergence."""
+        return self.offered_tokens - self.proven_tokens if self.mismatch_block is not None else 0
+
+    @property
+    def unverified_tokens(self) -> int:
+        """Offered tokens the digest cannot vouch for although nothing diverged (granularity)."""
+        return self.offered_tokens - self.proven_tokens if self.mismatch_block is None else 0
+
+
+def check_prefix(digest: Any, prompt_hashes: Sequence[bytes], prompt_tokens: Sequence[int] | None, block_size: int,
+                 remote_num_tokens: int) -> PrefixCheck:
+    """Prove the longest prefix of P's prompt equal to the sequence D holds, within what the handle offers.
+
+    Only blocks that D holds in full, that lie inside ``remote_num_tokens`` (a router may have
+    trimmed the handle) and that the prompt holds in full are compared; the end checkpoint then
+    proves D's partial last block when the handle and the prompt both reach its end.
+    ``prompt_tokens`` None (no token ids, e.g. prompt embeddings) skips the end checkpoint. Raises
+    DigestError on a malformed digest or a block size that differs from P's.
+    """
+    d = _parse_digest(digest)
+    if d.block_size != block_size:
+        raise DigestError(f"digest block_size {d.block_size} differs from P's {block_size}")
+    prompt_len = len(prompt_tokens) if prompt_tokens is not None else len(prompt_hashes) * block_size
+    offered = max(0, min(remote_num_tokens, prompt_len))
+    limit = min(d.blocks, len(prompt_hashes), max(remote_num_tokens, 0) // block_size)
+    mismatch, matched = _compare(d, prompt_hashes, limit)
+    proven = matched * block_size
+    if mismatch is None and d.tail is not None and d.tail_tokens is not None and limit == d.blocks \
+            and prompt_tokens is not None:
+        start = d.blocks * block_size
+        end = start + d.tail_tokens
+        if end <= remote_num_tokens and end <= prompt_len:
+            if tail_hash(prompt_hashes[d.blocks - 1], prompt_tokens[start:end]) == d.tail:
+                matched, proven = d.blocks, end
+            else:
+                mismatch = matched
+    return PrefixCheck(offered_tokens=offered, proven_tokens=min(proven, offered), matched_blocks=matched,
+                       mismatch_block=mismatch)

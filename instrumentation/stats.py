@@ -12,8 +12,9 @@ line and ``/metrics``. kvdiag rides the same channel with extra keys:
   ``[req_id, notifications]`` (the consumer notifications vLLM counted before the lease ran out:
   0 = released unread).
 * counters for ``/metrics`` (scheduler -> API server): ``kvdiag_requests`` rows ``[role, outcome]``,
-  ``kvdiag_read_tokens``, ``kvdiag_threshold_skips``, ``kvdiag_released`` (reasons),
-  ``kvdiag_retained`` (gauge samples), ``kvdiag_emit_errors``.
+  ``kvdiag_read_tokens``, ``kvdiag_threshold_skips``, ``kvdiag_mismatch_tokens`` (tokens D offered that
+  P's block-hash check found not matching), ``kvdiag_released`` (reasons), ``kvdiag_retained`` (gauge
+  samples), ``kvdiag_emit_errors``.
 
 NIXL's own keys, its log line and its ``vllm:nixl_*`` metrics are unchanged.
 """
@@ -32,7 +33,7 @@ from kvdiag.schema.verdicts import Verdict
 
 KVDIAG_KEYS: Final = (
     "kvdiag_xfers", "kvdiag_expired", "kvdiag_requests", "kvdiag_read_tokens", "kvdiag_threshold_skips",
-    "kvdiag_released", "kvdiag_retained", "kvdiag_emit_errors",
+    "kvdiag_released", "kvdiag_retained", "kvdiag_emit_errors", "kvdiag_mismatch_tokens",
 )
 _ROLES: Final = frozenset({"prefill", "decode"})
 _OUTCOMES: Final = frozenset(v.value for v in Verdict)
@@ -94,6 +95,7 @@ class KVDiagPromMetrics(NixlPromMetrics):  # type: ignore[misc]
         self._requests = make(self._counter_cls, "kvdiag_connector_requests", ("role", "outcome"))
         self._read_tokens = make(self._counter_cls, "kvdiag_connector_remote_read_tokens")
         self._threshold_skips = make(self._counter_cls, "kvdiag_connector_threshold_skips")
+        self._mismatch_tokens = make(self._counter_cls, "kvdiag_connector_mismatch_tokens")
         self._retained = make(self._gauge_cls, "kvdiag_connector_retained_requests")
         self._released = make(self._counter_cls, "kvdiag_connector_released", ("reason",))
         errors = metric("kvdiag_emit_errors")
@@ -110,6 +112,8 @@ class KVDiagPromMetrics(NixlPromMetrics):  # type: ignore[misc]
             self._read_tokens.labels(*engine).inc(max(float(tokens), 0.0))
         for _ in transfer_stats_data.get("kvdiag_threshold_skips", ()):
             self._threshold_skips.labels(*engine).inc()
+        for tokens in transfer_stats_data.get("kvdiag_mismatch_tokens", ()):
+            self._mismatch_tokens.labels(*engine).inc(max(float(tokens), 0.0))
         for reason in transfer_stats_data.get("kvdiag_released", ()):
             self._released.labels(*engine, _bounded(reason, _REASONS)).inc()
         retained = transfer_stats_data.get("kvdiag_retained", ())

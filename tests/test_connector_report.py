@@ -16,6 +16,7 @@ from kvdiag.instrumentation.report import (
     MAX_CHECKPOINTS,
     DigestError,
     PrefillView,
+    check_prefix,
     first_mismatch,
     make_digest,
 )
@@ -131,6 +132,82 @@ def test_digest_stays_bounded_for_long_sequences() -> None:
     assert mismatch == matched == 500
 
 
+def held(tokens: list[int], block: int = 32) -> dict[str, object]:
+    """D's digest of the sequence it holds, with the end checkpoint over the partial last block."""
+    full = len(tokens) // block
+    return make_digest(hashes(tokens), block, full, tokens[full * block:])
+
+
+def check(digest: dict[str, object], prompt: list[int], remote: int) -> tuple[int, int, int | None, int, int]:
+    c = check_prefix(digest, hashes(prompt), prompt, 32, remote)
+    return c.offered_tokens, c.proven_tokens, c.mismatch_block, c.mismatch_tokens, c.unverified_tokens
+
+
+HISTORY = list(range(139))      # D's sequence: 4 full blocks and 11 tokens
+
+
+def test_exact_check_proves_a_clean_continuation_to_the_last_token() -> None:
+    digest = held(HISTORY)
+    assert digest["tail"] == {"n": 11, "h": digest["tail"]["h"]} and len(digest["h"]) == 4  # type: ignore[index]
+    assert check(digest, HISTORY + [7] * 31, 139) == (139, 139, None, 0, 0)
+    # the partial block differs (a re-rendered last reply token): the 11 tokens are not proven
+    changed = HISTORY[:-1] + [-5] + [7] * 31
+    assert check(digest, changed, 139) == (139, 128, 4, 11, 0)
+
+
+def test_exact_check_stays_inside_a_trimmed_handle() -> None:
+    # the prompt diverges in block 3 (a stripped reasoning trace); the router offers 3 blocks only
+    prompt = HISTORY[:100] + [9] * 70
+    assert check(held(HISTORY), prompt, 96) == (96, 96, None, 0, 0)
+    # the untrimmed handle: the divergence is inside what it offers
+    assert check(held(HISTORY), prompt, 139) == (139, 96, 3, 43, 0)
+
+
+def test_exact_check_on_a_prompt_shorter_than_ds_sequence() -> None:
+    # regenerate: the prompt is D's turn prompt, a prefix of its sequence; its partial block has no hash
+    assert check(held(HISTORY), HISTORY[:100], 139) == (100, 96, None, 0, 4)
+    assert check(held(HISTORY), HISTORY[:128], 139) == (128, 128, None, 0, 0)
+
+
+def test_exact_check_finds_an_edited_history() -> None:
+    edited = list(HISTORY)
+    edited[70] = -1
+    assert check(held(HISTORY), edited + [7] * 31, 139) == (139, 64, 2, 75, 0)
+    assert check(held(HISTORY), [-1] + HISTORY[1:], 139)[1:3] == (0, 0)
+
+
+def test_the_end_checkpoint_proves_the_blocks_past_the_last_stride_checkpoint() -> None:
+    tokens = list(range(32 * 1001 + 5))         # 1001 full blocks, stride 4: the last checkpoint is block 999
+    digest = held(tokens)
+    assert digest["stride"] == 4 and len(digest["h"]) == 250  # type: ignore[arg-type]
+    assert check(digest, tokens + [1], len(tokens)) == (len(tokens), len(tokens), None, 0, 0)
+    edited = list(tokens)
+    edited[32 * 1000 + 3] = -1                  # block 1000: no stride checkpoint, the end checkpoint catches it
+    assert check(digest, edited + [1], len(tokens))[1:3] == (32 * 1000, 1000)
+    # without an end checkpoint (an older D) those blocks stay unproven, never read
+    bare = make_digest(hashes(tokens), 32)
+    assert check(bare, tokens + [1], len(tokens)) == (len(tokens), 32 * 1000, None, 0, 32 + 5)
+
+
+@pytest.mark.parametrize("tail", [{"n": 32, "h": "00000000"}, {"n": -1, "h": "00000000"}, {"n": 3},
+                                  {"n": True, "h": "00000000"}, [3, "00000000"]])
+def test_a_malformed_end_checkpoint_is_rejected(tail: object) -> None:
+    digest = {**make_digest(hashes(HISTORY), 32), "tail": tail}
+    with pytest.raises(DigestError):
+        check_prefix(digest, hashes(HISTORY), HISTORY, 32, 139)
+
+
+def test_mismatch_tokens_travel_in_the_report_and_the_pull_limit_sets_the_remainder() -> None:
+    v = view(mismatch_block=2, mismatch_tokens=75, pull_limit_tokens=64)
+    assert v.remainder_tokens == 64
+    v.read_started(64)
+    v.read_done(2 * 196_608, 1.0)
+    as_dict = v.report_dict(bidirectional=True, threshold=64)
+    assert as_dict["mismatch_tokens"] == 75 and as_dict["outcome"] == "prefix_mismatch"
+    assert PrefillReport.from_dict(as_dict).mismatch_tokens == 75
+    assert "mismatch_tokens" not in view().report_dict(bidirectional=True, threshold=64)
+
+
 @pytest.mark.parametrize("bad", [
     None, [], {"block_size": 32, "stride": 1, "blocks": 1, "h": ["zz"]},
     {"block_size": 32, "stride": 0, "blocks": 1, "h": ["00000000"]},
@@ -172,9 +249,11 @@ def test_sim_options_map_onto_the_real_engine_backend() -> None:
     assert (opts.role, opts.bidirectional, opts.prefix_caching) == ("decode", False, False)
     assert (opts.num_blocks, opts.decoder_kv_blocks_ttl, opts.log_level) == (CPU_MAX_BLOCKS, 30.0, "DEBUG")
     assert (opts.events_file, opts.kv_recompute_threshold) == ("d.jsonl", 128)
-    cli = parse_args(["prefill", "--no-prefix-caching", "--pull-matching-prefix", "--kv-recompute-threshold", "0"])
+    cli = parse_args(["prefill", "--no-prefix-caching", "--kv-recompute-threshold", "0"])
     assert (cli.role, cli.prefix_caching, cli.pull_matching_prefix, cli.kv_recompute_threshold) == \
-        ("prefill", False, True, 0)
+        ("prefill", False, True, 0)   # exact mode is on by default
+    assert parse_args(["prefill", "--no-pull-matching-prefix"]).pull_matching_prefix is False
+    assert options_from_sim("prefill", {}).pull_matching_prefix is True
 
 
 @pytest.mark.parametrize("fields", [

@@ -84,6 +84,7 @@ def test_prefill_report_matches_nixl_stats(run: dict[str, Any]) -> None:
     assert rec["p_stats"]["bytes_transferred"] == [report.transfer_bytes] == [5 * LAYERS * PAGE_BYTES]
     assert report.transfer_ms == pytest.approx(rec["p_stats"]["transfer_duration"][0] * 1000, abs=0.001)
     assert report.remote_engine_id == rec["d_engine_id"] and report.remote_request_id == rec["ids"]["t1-d"]
+    assert report.mismatch_tokens == 0   # exact mode checked D's digest, end checkpoint included: all 139 match
     # turn 1 had no D handle: the router decides first_turn
     first = PrefillReport.from_dict(rec["t1_p_params"]["kvdiag"])
     assert (first.outcome, first.reason) == ("unknown", "no D handle offered")
@@ -106,9 +107,9 @@ def test_two_turn_events_on_both_sides(run: dict[str, Any]) -> None:
     d1 = one(d_ev, "decode_request", ids["t1-d"])
     assert d1.transfer_bytes == 4 * LAYERS * PAGE_BYTES and d1.remote_read_tokens == 100
     assert d1.remote_request_id == ids["t1-p"] and d1.status == "ok"
-    # D's turn-1 params carry the digest of the 4 full blocks it holds
+    # D's turn-1 params carry the digest of the 4 full blocks it holds and the 11 tokens after them
     digest = rec["t1_d_params"]["kvdiag_digest"]
-    assert (digest["blocks"], digest["stride"], len(digest["h"])) == (4, 1, 4)
+    assert (digest["blocks"], digest["stride"], len(digest["h"]), digest["tail"]["n"]) == (4, 1, 4, 11)
 
 
 def test_expired_read_is_declined_and_reported(run: dict[str, Any]) -> None:
@@ -162,22 +163,29 @@ def test_bidirectional_off_on_decode(run: dict[str, Any]) -> None:
     assert d_ev[1].attrs["returned_handle"] is False and d_ev[0].attrs["bidirectional_kv_xfer"] is False
 
 
-def test_edited_history_is_prefix_mismatch_and_all_blocks_read_by_default(run: dict[str, Any]) -> None:
+def test_edited_history_with_exact_mode_off_reads_all_blocks(run: dict[str, Any]) -> None:
     rec = scenario(run, "s5_mismatch")
     report = PrefillReport.from_dict(rec["t2_p_params"]["kvdiag"])
     assert report.outcome == "prefix_mismatch"
     assert report.reason == "prompt diverges from D's sequence at block 2"
-    # off by default: vLLM's transfer is unchanged (all 5 of D's blocks read)
+    # kvdiag_pull_matching_prefix false: vLLM's transfer is unchanged (all 5 of D's blocks read), the
+    # 75 tokens from block 2 on that do not match are reported
     assert rec["t2_p_read_blocks"] == 5 and rec["p_stats"]["bytes_transferred"] == [5 * LAYERS * PAGE_BYTES]
+    assert report.mismatch_tokens == 75
 
 
-def test_pull_matching_prefix_reads_only_matching_blocks(run: dict[str, Any]) -> None:
+def test_exact_mode_by_default_reads_only_matching_blocks(run: dict[str, Any]) -> None:
     rec = scenario(run, "s6_mismatch_partial")
     report = PrefillReport.from_dict(rec["t2_p_params"]["kvdiag"])
     assert (report.outcome, report.remote_read_tokens, report.computed_tokens) == ("prefix_mismatch", 64, 106)
+    assert report.mismatch_tokens == 75 and report.remote_offered_tokens == 139
     assert rec["t2_p_read_blocks"] == 2
     assert rec["p_stats"]["bytes_transferred"] == [2 * LAYERS * PAGE_BYTES] == [report.transfer_bytes]
     assert rec["t2_p_recv_sha"] == rec["t1_d_held_sha"][:2]
+    t2 = one(events(rec, "prefill"), "prefill_request", rec["ids"]["t2-p"])
+    assert t2.mismatch_tokens == 75 and t2.attrs["pulled_matching_prefix"] is True and t2.attrs["proven_tokens"] == 64
+    labels = 'engine="0",model_name="opt-test"'
+    assert f"kvdiag_connector_mismatch_tokens_total{{{labels}}} 75.0" in rec["p_exposition"]["metrics"]
 
 
 def test_handshake_failure_is_transfer_failed_by_type(run: dict[str, Any]) -> None:

@@ -211,8 +211,9 @@ def s4_bidir_off(work: Path) -> dict[str, Any]:
     return pair.finish()
 
 
-def _mismatch(work: Path, name: str, pull_matching: bool) -> dict[str, Any]:
-    pair = Pair(work, name, p_extra={**BIDIR, "kvdiag_pull_matching_prefix": pull_matching}, d_extra=BIDIR)
+def _mismatch(work: Path, name: str, exact: bool) -> dict[str, Any]:
+    p_extra = BIDIR if exact else {**BIDIR, "kvdiag_pull_matching_prefix": False}   # exact mode is the default
+    pair = Pair(work, name, p_extra=p_extra, d_extra=BIDIR)
     history, _p1, d1 = pair.turn1()
     edited = list(history)
     edited[70] = 4999  # the client edited turn 1's history inside block 2
@@ -222,16 +223,17 @@ def _mismatch(work: Path, name: str, pull_matching: bool) -> dict[str, Any]:
     pair.record["t2_p_read_blocks"] = len(got.get("blocks", []))
     pair.record["t2_p_recv_sha"] = _sha(got.get("bytes", []))
     pair.record["t1_d_held_sha"] = _sha(pair.d.block_bytes(list(d1.kv_transfer_params["remote_block_ids"][0])))
+    pair.record["p_exposition"] = _exposition(pair.p)
     return pair.finish()
 
 
 def s5_mismatch(work: Path) -> dict[str, Any]:
-    """Turn 2 edits turn 1's history: reported as prefix_mismatch, all of D's blocks read."""
+    """Turn 2 edits turn 1's history, exact mode off: reported as prefix_mismatch, all of D's blocks read."""
     return _mismatch(work, "s5_mismatch", False)
 
 
 def s6_mismatch_partial(work: Path) -> dict[str, Any]:
-    """The same with kvdiag_pull_matching_prefix: only the matching blocks are read."""
+    """The same with exact mode (the default): only the matching blocks are read."""
     return _mismatch(work, "s6_mismatch_partial", True)
 
 
