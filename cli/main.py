@@ -23,6 +23,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "advise": "cmd_report",
     "dashboards": "cmd_dashboards",
     "alerts": "cmd_alerts",
+    "check": "cmd_check",
 }
 
 
