@@ -204,6 +204,10 @@ class Engine:
         self.on_output: Any = None   # called with each EngineCoreOutput (the API server's hook)
         self._next_token = 1000 + 100 * writer_tag
         self._chains: dict[str, list[bytes]] = {}   # request id -> prefix hash per position (fill_slots)
+        # With record_reads, each D->P read vLLM posts: {"local": P's blocks, "remote": D's block ids,
+        # "num_tokens": remote_num_tokens} as the scheduler handed them to the worker (before its end-trim).
+        self.record_reads = False
+        self.read_plans: dict[str, dict[str, Any]] = {}
 
     def _start_worker(self, work_dir: Path) -> None:
         init_distributed_once(work_dir)
@@ -233,6 +237,8 @@ class Engine:
     def step(self) -> None:
         """One EngineCore step: schedule, connector worker hooks, fake forward, update."""
         so = self.scheduler.schedule()
+        if self.record_reads:
+            self._note_read_plans(so.kv_connector_metadata)
         kv_out = None
         if self.worker is not None:
             self.worker.bind_connector_metadata(so.kv_connector_metadata)
@@ -275,6 +281,15 @@ class Engine:
                     self.finished[out.request_id] = out
             if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
                 self.stats.append(eco.scheduler_stats.kv_connector_stats)
+
+    def _note_read_plans(self, meta: Any) -> None:
+        for rid, req in (getattr(meta, "reqs_to_recv", None) or {}).items():
+            if req.remote is not None and any(req.local_block_ids):
+                self.read_plans[rid] = {"local": [list(g) for g in req.local_block_ids],
+                                        "remote": [list(g) for g in req.remote.block_ids],
+                                        "num_tokens": req.remote.num_tokens}
+                if len(self.read_plans) > 4096:
+                    del self.read_plans[next(iter(self.read_plans))]
 
     def _note_received(self, rid: str) -> None:
         """Record the blocks a READ just filled (before any forward touches them)."""
