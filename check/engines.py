@@ -346,7 +346,8 @@ class EngineProbe:
                               "480 s) and keep the router's --entry-ttl below it minus 5 s", evidence)
         else:
             self.findings.add("decode_ttl", Status.PASS,
-                              f"D holds a finished turn's blocks for about {ttl:.1f} s", None, evidence)
+                              f"D holds a finished turn's blocks for about {ttl:.0f} s (measured {ttl:.2f} s)",
+                              None, evidence)
 
     async def _turn2(self, conv: Conversation, d_params: dict[str, Any]) -> None:
         before = await self.client.scrape("prefill", self.p)

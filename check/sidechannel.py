@@ -4,7 +4,8 @@ D stamps ``remote_blocks_expiry_time`` with its scheduler's ``time.perf_counter(
 means nothing on another host. P learns the offset during the NIXL handshake: vLLM's listener
 answers a ``(b"get_meta_msg", pp_rank, tp_rank)`` msgpack request on a ZMQ ROUTER socket with two
 frames, the handshake payload and ``msgpack(time.perf_counter())``. The emulated engines answer
-``POST /nixl/handshake`` with ``{"engine_id", "perf_counter"}``. Either way the check gets D's
+``POST /nixl/handshake`` with ``{"engine_id", "perf_counter"}``; the port's first bytes tell which
+one listens (see :func:`sniff_protocol`). Either way the check gets D's
 clock, and with it how long D will still hold a block it just returned: D's real
 ``decoder_kv_blocks_ttl``. Nothing is registered or changed on the engine.
 
@@ -15,6 +16,7 @@ The ZMQ path needs pyzmq (``pip install 'kvdiag[check]'``); without it the TTL i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import struct
 import time
@@ -101,15 +103,35 @@ def _zmq_clock_blocking(host: str, port: int, timeout: float) -> RemoteClock:
     return RemoteClock(decode_msgpack_float(parts[1]) - (start + end) / 2, end - start, "zmq")
 
 
-async def remote_clock(session: aiohttp.ClientSession, host: str, port: int, timeout: float = 3.0) -> RemoteClock:
-    """The engine's scheduler clock via its side channel (emulated HTTP first, then vLLM's ZMQ)."""
+async def sniff_protocol(host: str, port: int, wait: float = 0.5) -> str:
+    """``"zmq"`` if the port greets first (a ZMTP peer sends its signature on connect), else ``"http"``.
+
+    Nothing is written: bytes a listener does not expect can break it (vLLM's handshake listener
+    thread does not survive a message it cannot decode), so the protocol is told from what the
+    port says on its own.
+    """
     try:
-        return await _http_clock(session, host, port, timeout)
-    except SideChannelError as http_error:
-        try:
-            return await asyncio.to_thread(_zmq_clock_blocking, host, port, timeout)
-        except SideChannelError as zmq_error:
-            raise SideChannelError(f"{http_error}; {zmq_error}") from None
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=wait * 4)
+    except (OSError, TimeoutError) as exc:
+        raise SideChannelError(f"cannot connect to {host}:{port} ({type(exc).__name__}: {exc})") from None
+    try:
+        first = await asyncio.wait_for(reader.read(1), timeout=wait)
+    except TimeoutError:
+        return "http"
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    if first == b"\xff":
+        return "zmq"
+    raise SideChannelError(f"{host}:{port} spoke first with {first!r}: neither vLLM's ZMQ nor the sim's HTTP")
+
+
+async def remote_clock(session: aiohttp.ClientSession, host: str, port: int, timeout: float = 3.0) -> RemoteClock:
+    """The engine's scheduler clock via its side channel (vLLM's ZMQ handshake, or the sim's HTTP one)."""
+    if await sniff_protocol(host, port) == "zmq":
+        return await asyncio.to_thread(_zmq_clock_blocking, host, port, timeout)
+    return await _http_clock(session, host, port, timeout)
 
 
 def _bracket(host: str) -> str:

@@ -1,0 +1,57 @@
+"""``kvdiag check`` against the real-vLLM testbed: vLLM 0.33's Scheduler + NIXL on CPU for P and D, the router.
+
+The healthy testbed must pass every check from the outside: D's real ``decoder_kv_blocks_ttl``
+through vLLM's ZMQ side channel (the handshake clock), the block size (32, vLLM's CPU attention)
+from the engines' block lists, a real NIXL READ from P's ``vllm:nixl_*`` counters and the
+instrumented connector's report. A D started without bidirectional transfer is named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness.testbed import real_vllm_testbed
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BIN = Path(sys.executable).parent
+
+
+def _check(bed: Any, *extra: str) -> tuple[int, dict[str, Any]]:
+    proc = subprocess.run([str(BIN / "kvdiag"), "check", "--router", bed.router.url, "--prefill", bed.prefill.url,
+                           "--decode", bed.decode.url, "--json", "--timeout", "120", *extra],
+                          capture_output=True, text=True, timeout=400, check=False)
+    assert proc.stdout, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _by_id(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["id"]: c for c in doc["checks"]}
+
+
+def test_healthy_real_vllm_testbed_passes(tmp_path: Path) -> None:
+    with real_vllm_testbed(tmp_path) as bed:
+        code, doc = _check(bed)
+    checks = _by_id(doc)
+    failed = {k: v for k, v in checks.items() if v["status"] not in ("pass", "info")}
+    assert code == 0 and not failed, json.dumps(failed, indent=1)
+    assert "32-token" in checks["block_size"]["detail"]
+    measured = float(re.search(r"measured ([0-9.]+) s", checks["decode_ttl"]["detail"]).group(1))  # type: ignore[union-attr]
+    assert 478.0 < measured <= 480.0
+    assert any("zmq handshake" in e for e in checks["decode_ttl"]["evidence"])  # vLLM's own side channel
+    assert checks["prefix_caching_prefill"]["detail"].startswith("off")   # the testbed runs P without it
+    assert any("vllm:nixl_xfer_time_seconds_count +1" in e for e in checks["d2p_read"]["evidence"])
+    assert checks["router_decode_ttl"]["status"] == "pass"
+
+
+def test_real_vllm_decode_without_bidirectional_is_named(tmp_path: Path) -> None:
+    with real_vllm_testbed(tmp_path, d_flags=["--no-bidirectional"]) as bed:
+        code, doc = _check(bed)
+    failed = [c["id"] for c in doc["checks"] if c["status"] == "fail"]
+    assert code == 1 and failed == ["bidirectional_decode"], json.dumps(doc["checks"], indent=1)
