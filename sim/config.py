@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Final
 
 ROLES: Final = ("prefill", "decode")
+REASONING_PARSERS: Final = ("qwen3",)
+TOOL_CALL_PARSERS: Final = ("hermes",)
+REASONING_FIELDS: Final = ("reasoning", "reasoning_content")  # vLLM 0.33's name, then the older one
 MODES: Final = ("stock", "instrumented")
 LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1")
 
@@ -48,7 +51,17 @@ class EngineConfig:
     # vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN (5.0 s); only tests shrink it, to keep TTL tests fast.
     expiry_safety_margin_s: float = 5.0
     log_stats_interval_s: float = 10.0  # VLLM_LOG_STATS_INTERVAL
-    verify_prefix_digest: bool = False
+    # instrumented mode: D adds kvdiag_digest to its params; P reads only the prefix it proves (exact mode)
+    prefix_digest: bool = True
+    pull_matching_prefix: bool = True
+    # the emulated model and vLLM's output parsers (docs/sim.md, "Agent traffic")
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_tokens: int | None = None  # None: the model never thinks unless a request hint asks
+    tool_call_style: str = "compact"
+    reasoning_field: str = "reasoning"
+    max_model_len: int = 131_072
     # Side-channel peers the engine may connect to (kv_transfer_params come from clients: never trusted).
     allowed_remote_hosts: tuple[str, ...] = LOOPBACK_HOSTS
 
@@ -63,6 +76,20 @@ class EngineConfig:
             raise ConfigError("--time-scale must be >= 0 (0 disables the modelled sleeps)")
         if self.decoder_kv_blocks_ttl <= 0 or self.kv_lease_duration <= 0:
             raise ConfigError("--decoder-kv-blocks-ttl and --kv-lease-duration must be > 0 seconds")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r}: use {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM)")
+        if self.reasoning_tokens is not None and not 0 <= self.reasoning_tokens <= 100_000:
+            raise ConfigError("--reasoning-tokens must be between 0 and 100000")
+        if self.tool_call_style not in ("compact", "template"):
+            raise ConfigError(f"--tool-call-style {self.tool_call_style!r}: use compact or template")
+        if self.reasoning_field not in REASONING_FIELDS:
+            raise ConfigError(f"--reasoning-field {self.reasoning_field!r}: use {' or '.join(REASONING_FIELDS)}")
+        if self.max_model_len < 1:
+            raise ConfigError("--max-model-len must be a positive number of tokens")
         if self.kv_recompute_threshold is None:
             self.kv_recompute_threshold = 64 if self.bidirectional_kv_xfer else 0
 

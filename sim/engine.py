@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvdiag.exporters.jsonl import EventSink
-from kvdiag.instrumentation.report import PrefillView
+from kvdiag.instrumentation.report import DIGEST_KEY, PrefillView, make_digest
 from kvdiag.schema.events import PrefillReport, TurnEvent, now_ts
 from kvdiag.schema.verdicts import Verdict
 from kvdiag.sim import vllm_log as vl
@@ -28,11 +28,11 @@ from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.faults import Faults
 from kvdiag.sim.kvcache import BlockPool, Hold, OutOfBlocks, blocks_for, chain_hashes
 from kvdiag.sim.metrics import VllmMetrics
+from kvdiag.sim.model_output import OutputPlan, generate
 from kvdiag.sim.nixl import NixlClient, RemoteAgent
 from kvdiag.sim.remote_read import ReadResult, has_handle, pull
 from kvdiag.sim.stats import StatsLogger
 from kvdiag.sim.timemodel import get_profile
-from kvdiag.sim.tokenizer import generate_reply
 
 _logger = logging.getLogger(__name__)
 
@@ -57,11 +57,15 @@ class RequestState:
     params: dict[str, Any] | None
     seed: int = 0
     role: str = "plain"  # "P", "D" or "plain"
+    plan: OutputPlan = field(default_factory=OutputPlan)
     hit_tokens: int = 0
+    kv: list[int] = field(default_factory=list)  # the token ids this request's KV was computed for, per position
+    local_wrong_kv: int = 0  # prefix-cache hits whose blocks hold KV of other ids (loaded wrong earlier)
     block_ids: list[int] = field(default_factory=list)
     read: ReadResult = field(default_factory=ReadResult)
     computed_tokens: int = 0
     output: list[int] = field(default_factory=list)
+    planned: list[int] = field(default_factory=list)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     prefill_ms: float = 0.0
@@ -78,6 +82,11 @@ class RequestState:
         """usage.prompt_tokens_details.cached_tokens: local hit + tokens pulled from a remote engine."""
         return self.hit_tokens + self.read.read_tokens
 
+    @property
+    def wrong_kv_tokens(self) -> int:
+        """Prompt positions whose KV, loaded from a remote engine or the prefix cache, belongs to other ids."""
+        return self.local_wrong_kv + self.read.wrong_kv_tokens
+
 
 class Engine:
     """State and behaviour of one engine; the NIXL side channel calls the ``nixl_*`` methods."""
@@ -92,7 +101,7 @@ class Engine:
                              kv_load_failure_policy=config.kv_load_failure_policy,
                              hang_on_recompute=config.hang_on_recompute, kv_recompute_threshold=config.threshold,
                              fail_transfers=dict(config.fail_transfers), fail_requests=config.fail_requests,
-                             seed=config.seed)
+                             pull_matching_prefix=config.pull_matching_prefix, seed=config.seed)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.prefix_caching)
         self.log = vl.VllmLogWriter(config.log_file, config.log_level, self.pid)
         self.metrics = VllmMetrics(config.model, config.instrumented)
@@ -102,6 +111,7 @@ class Engine:
         self.stats = StatsLogger(self)
         self.running = 0
         self.waiting = 0
+        self.wrong_kv_tokens = 0  # the oracle, white-box: every wrongly loaded prompt position so far
         self.side_channel_port = 0
         self._closing = asyncio.Event()
 
@@ -191,6 +201,19 @@ class Engine:
         self.metrics.nixl_num_descriptors.observe(descriptors)
         self.stats.transfers.append((model_ms, post_s * 1000.0, nbytes, descriptors))
 
+    def _count_wrong_kv(self, state: RequestState) -> None:
+        """The oracle's counters: every prompt position whose loaded KV belongs to other token ids."""
+        remote, local = state.read.wrong_kv_tokens, state.local_wrong_kv
+        self.wrong_kv_tokens += remote + local
+        if remote:
+            self.metrics.wrong_kv_tokens["remote_read"].inc(remote)
+        if local:
+            self.metrics.wrong_kv_tokens["local_hit"].inc(local)
+        mismatch = state.read.mismatch_tokens
+        series = self.metrics.connector("kvdiag_connector_mismatch_tokens") if mismatch else None
+        if series is not None:
+            series.inc(mismatch)
+
     def note_handshake(self, agent: RemoteAgent) -> None:
         """First successful handshake with a peer logs vLLM's compatibility line."""
         if agent.engine_id not in self.stats.handshaken:
@@ -206,7 +229,8 @@ class Engine:
 
     # --- request path -------------------------------------------------------------------------
     def new_request(self, request_id: str | None, kind: str, prompt: list[int], max_tokens: int,
-                    params: dict[str, Any] | None, seed: int = 0, arrival: float | None = None) -> RequestState:
+                    params: dict[str, Any] | None, seed: int = 0, arrival: float | None = None,
+                    plan: OutputPlan | None = None) -> RequestState:
         """Assign vLLM's ids: external ``chatcmpl-<X-Request-Id>``, internal ``<external>-<8 hex>``."""
         request_id = request_id[:256] if request_id else None  # client-supplied: bound what reaches logs
         base = request_id or uuid.uuid4().hex
@@ -217,7 +241,8 @@ class Engine:
             role = "P" if params.get("do_remote_decode") else ("D" if params.get("do_remote_prefill") else "plain")
             if role == "P":
                 max_tokens = 1
-        state = RequestState(request_id, external, internal, prompt, max_tokens, params, seed, role)
+        state = RequestState(request_id, external, internal, prompt, max_tokens, params, seed, role,
+                             plan or OutputPlan())
         if arrival is not None:
             state.t_arrival = arrival
         return state
@@ -241,6 +266,11 @@ class Engine:
         self.pool.acquire(hit_blocks)
         state.block_ids = list(hit_blocks)
         state.hit_tokens = len(hit_blocks) * bs
+        state.kv = list(state.prompt)
+        for i, block in enumerate(hit_blocks):
+            held = self.pool.content(block)
+            state.kv[i * bs:i * bs + len(held)] = held
+        state.local_wrong_kv = sum(a != b for a, b in zip(state.kv[:state.hit_tokens], state.prompt, strict=False))
         self.metrics.prefix_cache_queries.inc(len(state.prompt))
         self.metrics.prefix_cache_hits.inc(state.hit_tokens)
         self.stats.queries += len(state.prompt)
@@ -258,7 +288,9 @@ class Engine:
         await self.advance(state, self.profile.prefill_ms(state.computed_tokens, ctx))
         state.prefill_ms = (time.perf_counter() - state.t_arrival) * 1000.0
         self._allocate(state, len(state.prompt))
+        self.pool.write(state.block_ids[len(hit_blocks):], state.kv, first_block=len(hit_blocks))
         self.pool.commit(state.block_ids, hashes)
+        self._count_wrong_kv(state)
         m = self.metrics
         m.prompt_tokens.inc(len(state.prompt))
         m.prompt_tokens_by_source["local_compute"].inc(state.computed_tokens)
@@ -342,10 +374,11 @@ class Engine:
                     raise RequestFailed("out of KV cache blocks; raise --num-blocks") from None
 
     async def generate(self, state: RequestState) -> Any:
-        """Yield output token ids, sleeping one modelled decode step per token."""
+        """Yield output token ids, sleeping one modelled decode step per token (``state.planned`` holds them all)."""
         self.running += 1
         try:
-            tokens = generate_reply(self.config.seed + state.seed, state.prompt, state.max_tokens)
+            tokens, finish = generate(self.config.seed + state.seed, state.prompt, state.max_tokens, state.plan)
+            state.planned = tokens
             for i, tok in enumerate(tokens):
                 if i > 0 or state.role != "P":  # P's single token comes out of its prefill step
                     await self.advance(state, self.profile.decode_step_ms)
@@ -355,8 +388,9 @@ class Engine:
                     self.metrics.time_to_first_token.observe(state.t_first_token - state.t_arrival)
                 self.stats.generation_tokens += 1
                 self.metrics.generation_tokens.inc()
+                if i == len(tokens) - 1:
+                    state.finish_reason = finish
                 yield tok
-            state.finish_reason = "length"
         finally:
             self.running -= 1
 
@@ -385,6 +419,7 @@ class Engine:
                 seq = state.prompt + state.output[:-1]
                 with contextlib.suppress(RequestFailed):
                     self._allocate(state, len(seq))
+                self.pool.write(state.block_ids, [*state.kv, *state.output[:-1]])
                 self.pool.commit(state.block_ids, chain_hashes(seq, bs))
             self.pool.release(state.block_ids)
             state.block_ids = []
@@ -401,6 +436,7 @@ class Engine:
         with contextlib.suppress(RequestFailed):
             self._allocate(state, num_tokens)
         hashes = chain_hashes(seq, bs)
+        self.pool.write(state.block_ids, [*state.kv, *state.output][:num_tokens])
         self.pool.commit(state.block_ids, hashes)
         deadline = time.perf_counter() + ttl
         blocks = state.block_ids[:blocks_for(num_tokens, bs)]
@@ -418,13 +454,19 @@ class Engine:
             if series is not None:
                 series.set(sum(1 for h in self.pool.holds.values() if h.kind == "ttl"))
         is_p = kind == "lease"
-        return {"do_remote_prefill": is_p, "do_remote_decode": not is_p, "remote_block_ids": [list(blocks)],
-                "remote_engine_id": self.engine_id,
-                "remote_request_id": state.internal_id, "remote_host": self.config.host,
-                "remote_port": self.side_channel_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-                "remote_num_tokens": num_tokens,
-                "remote_blocks_expiry_time": deadline if kind == "ttl" else None,
-                "remote_registration_generation": 1, "transfer_mode": "pull"}
+        params: dict[str, Any] = {
+            "do_remote_prefill": is_p, "do_remote_decode": not is_p, "remote_block_ids": [list(blocks)],
+            "remote_engine_id": self.engine_id, "remote_request_id": state.internal_id,
+            "remote_host": self.config.host, "remote_port": self.side_channel_port, "tp_size": 1, "dcp_size": 1,
+            "pp_size": 1, "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": deadline if kind == "ttl" else None,
+            "remote_registration_generation": 1, "transfer_mode": "pull"}
+        if kind == "ttl" and self.config.instrumented and self.config.prefix_digest:
+            # kvdiag's connector on D: a compact digest of the held sequence, for P's exact check.
+            full = num_tokens // bs
+            params[DIGEST_KEY] = make_digest([bytes.fromhex(h) for h in hashes[:full]], bs, full,
+                                             seq[full * bs:num_tokens])
+        return params
 
     # --- retention ------------------------------------------------------------------------------
     def reap(self) -> None:
@@ -460,16 +502,18 @@ class Engine:
         hold = self.pool.holds.get(req_id)
         raw = body.get("block_ids")
         wanted: list[Any] = raw if isinstance(raw, list) else []
+        # What the read transfers: the KV of each block, i.e. the token ids it was computed for. A block
+        # no longer held still holds whatever was last written into it (stale memory, as real NIXL reads).
+        ids = [b for b in wanted if isinstance(b, int) and not isinstance(b, bool) and 0 < b <= self.pool.num_blocks]
+        block_tokens = [list(self.pool.content(b)) for b in ids] if len(ids) == len(wanted) else []
         if hold is None or not set(wanted) <= set(hold.block_ids):
             if body.get("notify", True):
                 self.log.log("ERROR", "potentially_invalid", vl.MSG_POTENTIALLY_INVALID, req_id)
-            return {"held": False}
-        index = {b: i for i, b in enumerate(hold.block_ids)}
-        hashes = [hold.hashes[index[b]] for b in wanted if index[b] < len(hold.hashes)]
+            return {"held": False, "block_tokens": block_tokens}
         hold.reads += 1
         if body.get("notify", True):
             self._finished_sending(hold, "read")
-        return {"held": True, "block_hashes": hashes}
+        return {"held": True, "block_tokens": block_tokens}
 
     def nixl_notify(self, body: dict[str, Any]) -> dict[str, Any]:
         """Notify-only: the reader skipped the pull; free the blocks now."""
@@ -503,7 +547,7 @@ class Engine:
             remote_request_id=remote_req[:512] if remote_req else None,
             remote_offered_tokens=r.remote_num_tokens, local_hit_tokens=state.hit_tokens,
             mismatch_block=r.mismatch_block, request_failed=state.status == "error",
-            failed_reason=state.error)
+            failed_reason=state.error, mismatch_tokens=r.mismatch_tokens, pull_limit_tokens=r.pull_limit_tokens)
         if r.started:
             view.read_started(r.read_tokens or r.affected_tokens)
             if r.failure_type is not None:
@@ -512,7 +556,9 @@ class Engine:
                 view.read_done(r.transfer_bytes, r.transfer_ms)
         report = view.report(bidirectional=self.faults.bidirectional_kv_xfer,
                              threshold=self.faults.kv_recompute_threshold)
-        notes = [n for n in (r.invalid, r.reason if r.failed else None) if n]
+        report = replace(report, wrong_kv_tokens=state.wrong_kv_tokens)
+        notes = [n for n in (r.invalid, r.reason if r.failed else None, r.digest_error and
+                             f"kvdiag_digest not used: {r.digest_error}") if n]
         if r.stale and report.outcome == Verdict.REMOTE_HIT.value:
             # Only the sim can know this; the real connector would see a successful (stale) read.
             report = replace(report, outcome=Verdict.EXPIRED_REMOTE_READ.value)
@@ -541,11 +587,12 @@ class Engine:
             fields["ttft_ms"] = round((state.t_first_token - state.t_arrival) * 1000.0, 3)
         if state.read.transfer_bytes:
             fields.update(transfer_bytes=state.read.transfer_bytes, transfer_ms=round(state.read.transfer_ms, 3))
+        fields["wrong_kv_tokens"] = state.wrong_kv_tokens
         if state.role == "P":
             rep = self.report(state)
             fields.update(outcome=rep.outcome, reason=rep.reason, failure_type=rep.failure_type,
                           remote_offered_tokens=rep.remote_offered_tokens, remote_engine_id=rep.remote_engine_id,
-                          remote_request_id=rep.remote_request_id)
+                          remote_request_id=rep.remote_request_id, mismatch_tokens=rep.mismatch_tokens)
             series = self.metrics.connector("kvdiag_connector_requests", role="prefill", outcome=rep.outcome)
             if series is not None:
                 series.inc()

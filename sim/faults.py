@@ -5,7 +5,8 @@ error naming the known ones)::
 
     {"bidirectional_kv_xfer": false, "stream_kv_params": false, "prefix_caching": false,
      "kv_load_failure_policy": "recompute", "hang_on_recompute": true,
-     "kv_recompute_threshold": 64, "fail_transfers": {"handshake_failed": 1.0}, "fail_requests": 0.1}
+     "kv_recompute_threshold": 64, "fail_transfers": {"handshake_failed": 1.0}, "fail_requests": 0.1,
+     "pull_matching_prefix": false}
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Faults:
     kv_recompute_threshold: int = 64
     fail_transfers: dict[str, float] = field(default_factory=dict)
     fail_requests: float = 0.0
+    pull_matching_prefix: bool = True  # P's exact mode (instrumented); off for the negative control
     seed: int = 0
     _rng: random.Random = field(default_factory=random.Random, repr=False)
 

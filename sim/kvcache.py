@@ -5,6 +5,11 @@ hash covers the previous block's hash and its own token ids), so equal hashes me
 as in vLLM's prefix caching. Blocks are reference counted; a block whose count drops to zero stays
 in the prefix cache (evictable, least recently used first) until the pool needs it.
 
+Each block also records the token ids its KV was computed for (what a real block's K/V tensors
+encode), so a reader can tell whether the KV it loaded belongs to its own prompt: the sim's
+oracle for wrongly loaded KV. A freed block keeps its contents until it is written again, as GPU
+memory does, so a stale read returns whatever the memory holds.
+
 A *hold* keeps a finished request's blocks alive for a reader: D holds them for
 ``decoder_kv_blocks_ttl`` (bidirectional), P for ``kv_lease_duration`` (P->D). Holds are bounded
 by the pool itself: when the pool is exhausted the oldest hold is released ("memory pressure").
@@ -75,6 +80,7 @@ class BlockPool:
         self._hash_of: dict[int, str] = {}
         self._by_hash: dict[str, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._content: dict[int, tuple[int, ...]] = {}
         self.holds: OrderedDict[str, Hold] = OrderedDict()
 
     # --- accounting -------------------------------------------------------------------------
@@ -112,6 +118,21 @@ class BlockPool:
                 continue
             self._by_hash[h] = block
             self._hash_of[block] = h
+
+    # --- contents ---------------------------------------------------------------------------
+    def write(self, block_ids: Sequence[int], tokens: Sequence[int], first_block: int = 0) -> None:
+        """Record that ``block_ids[i]`` holds the KV of ``tokens`` block ``first_block + i``."""
+        bs = self.block_size
+        for i, block in enumerate(block_ids):
+            start = (first_block + i) * bs
+            chunk = tuple(tokens[start:start + bs])
+            if not chunk:
+                break
+            self._content[block] = chunk
+
+    def content(self, block_id: int) -> tuple[int, ...]:
+        """The token ids block ``block_id``'s KV was last computed for (empty: never written)."""
+        return self._content.get(block_id, ())
 
     def clear(self) -> None:
         """Forget every block, hold and cached prefix (engine restart)."""

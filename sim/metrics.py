@@ -1,4 +1,4 @@
-"""The ``vllm:`` Prometheus metrics an emulated engine exposes (names, types and buckets of vllm.md §5)."""
+"""The ``vllm:`` Prometheus metrics an emulated engine exposes (vLLM's names, types and buckets), plus the oracle."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ BYTES_BUCKETS: Final = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 DESCRIPTOR_BUCKETS: Final = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
 FINISHED_REASONS: Final = ("stop", "length", "abort", "error")
 PROMPT_SOURCES: Final = ("local_compute", "local_cache_hit", "external_kv_transfer")
+WRONG_KV_SOURCES: Final = ("remote_read", "local_hit")
+WRONG_KV_METRIC: Final = "kvdiag_sim_wrong_kv_tokens"
 
 
 class VllmMetrics:
@@ -92,6 +94,11 @@ class VllmMetrics:
         self.nixl_num_kv_expired_reqs = counter("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their "
                                                 "KV expire. NOTE: This metric is tracked on the P instance."
                                                 ).labels(**lv)
+        # The testbed's oracle (both modes; not a vLLM series): prompt positions whose loaded KV was
+        # computed for other token ids, from a remote read or from prefix-cache blocks loaded wrong earlier.
+        wrong = counter(WRONG_KV_METRIC, "Sim oracle: prompt tokens whose loaded KV was computed for other token "
+                        "ids (must stay 0).", ("source",))
+        self.wrong_kv_tokens = {s: wrong.labels(source=s, **lv) for s in WRONG_KV_SOURCES}
         self.catalog: CatalogMetrics | None = (
             CatalogMetrics(self.registry, component="connector") if instrumented else None)
 

@@ -4,6 +4,17 @@ P runs it with D's handle (D->P, bidirectional turn 2); D runs it with P's param
 result records the facts (offered, read, bytes, ms, failure type); P turns them into the Contract 4
 outcome with the rule it shares with the real connector (kvdiag.instrumentation.report). Failures
 are logged with vLLM's own lines; the caller applies ``kv_load_failure_policy``.
+
+The read is positional, as in vLLM 0.33: the reader counts ``min(remote_num_tokens, prompt) -
+local hit`` tokens, allocates blocks for them and pairs those blocks with the *end* of the
+handle's block list (``_apply_prefix_caching``: ``remote[-n:]``). A handle whose list is longer
+than the blocks the count needs (a full handle on a shorter prompt) therefore loads D's last
+blocks into the reader's positions. The loaded blocks carry the token ids their KV was computed
+for; the reader compares them with its prompt position by position and counts ``wrong_kv_tokens``.
+
+In instrumented mode P first checks D's block-hash digest (``kvdiag_digest``) against its prompt,
+as kvdiag's connector does, and in exact mode (``pull_matching_prefix``, on by default) cuts the
+handle to the proven prefix before vLLM's count and end-trim see it.
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from kvdiag.instrumentation.report import DECLINED_EXPIRED
+from kvdiag.instrumentation.report import DECLINED_EXPIRED, DIGEST_KEY, DigestError, check_prefix
 from kvdiag.sim import vllm_log as vl
 from kvdiag.sim.kvcache import blocks_for, chain_hashes
 from kvdiag.sim.nixl import NixlFailure, RemoteAgent
@@ -44,7 +55,11 @@ class ReadResult:
     failure_type: str | None = None  # vLLM's failure_type, or DECLINED_EXPIRED
     notification_failed: bool = False
     stale: bool = False  # the read found D no longer holding the blocks (sim-only knowledge)
-    mismatch_block: int | None = None
+    mismatch_block: int | None = None  # first block the digest check found diverging
+    mismatch_tokens: int | None = None  # offered tokens past the proven prefix (None: no check ran)
+    pull_limit_tokens: int | None = None  # remote_num_tokens after exact mode cut the handle
+    digest_error: str | None = None
+    wrong_kv_tokens: int = 0  # loaded positions whose KV was computed for other token ids
     failed: bool = False  # declined or failed: the caller applies kv_load_failure_policy
     reason: str | None = None
     affected_tokens: int = 0
@@ -122,6 +137,42 @@ def log_failure(engine: Engine, state: RequestState, params: dict[str, Any], fty
             _context(engine, state, params, ftype, state.internal_id, n_local, **extra))
 
 
+def check_digest(engine: Engine, state: RequestState, params: dict[str, Any], res: ReadResult) -> dict[str, Any]:
+    """P's block-hash check of D's handle; in exact mode return the handle cut to the proven prefix."""
+    bs = engine.config.block_size
+    prompt_hashes = [bytes.fromhex(h) for h in chain_hashes(state.prompt, bs)]
+    try:
+        check = check_prefix(params[DIGEST_KEY], prompt_hashes, state.prompt, bs, res.remote_num_tokens)
+    except DigestError as exc:
+        res.digest_error = str(exc)
+        return params
+    res.mismatch_tokens = check.mismatch_tokens
+    res.mismatch_block = check.mismatch_block
+    if not engine.faults.pull_matching_prefix:
+        return params
+    target, need = check.proven_tokens, blocks_for(check.proven_tokens, bs)
+    groups = params["remote_block_ids"]
+    if target == res.remote_num_tokens and not any(len(g) > need for g in groups):
+        return params
+    res.pull_limit_tokens = target
+    return {**params, "remote_num_tokens": target, "remote_block_ids": [list(g)[:need] for g in groups]}
+
+
+def place_loaded(state: RequestState, res: ReadResult, block_tokens: Any, first: int, count: int, bs: int) -> None:
+    """Write the loaded blocks' token ids into the reader's KV positions ``first..first+count`` and count
+    the positions whose KV was computed for another token."""
+    blocks = block_tokens if isinstance(block_tokens, list) else []
+    base = first // bs
+    wrong = 0
+    for pos in range(first, first + count):
+        j, off = pos // bs - base, pos % bs
+        block = blocks[j] if j < len(blocks) and isinstance(blocks[j], list) else []
+        tok = block[off] if off < len(block) and isinstance(block[off], int) else -1
+        state.kv[pos] = tok
+        wrong += tok != state.prompt[pos]
+    res.wrong_kv_tokens = wrong
+
+
 async def pull(engine: Engine, state: RequestState, params: dict[str, Any], *, d2p: bool) -> ReadResult:
     """Pull the remote blocks ``params`` name for ``state`` (already matched locally)."""
     res = ReadResult()
@@ -136,10 +187,12 @@ async def pull(engine: Engine, state: RequestState, params: dict[str, Any], *, d
         log.log("WARNING", "invalid_params", vl.MSG_INVALID_PARAMS, _params_repr(params))
         res.invalid = f"invalid kv_transfer_params ({reason}): not used"
         return res
+    res.remote_num_tokens = int(params["remote_num_tokens"])
+    if d2p and engine.config.instrumented and DIGEST_KEY in params:
+        params = check_digest(engine, state, params, res)
     remote_num = int(params["remote_num_tokens"])
-    res.remote_num_tokens = remote_num
     res.offered = min(remote_num, prompt_len) - hit
-    # vLLM never loads the last prompt token: it is recomputed to produce the first output token.
+    # vLLM never uses the loaded KV of the last prompt token: it is recomputed to produce the first output token.
     want = max(0, min(remote_num, prompt_len - 1) - hit)
     threshold = engine.faults.kv_recompute_threshold
     remote_group = list(params["remote_block_ids"][0])
@@ -159,12 +212,17 @@ async def pull(engine: Engine, state: RequestState, params: dict[str, Any], *, d
             log_failure(engine, state, params, exc.failure_type, 0, exc.exc_line)
             engine.count_failed_transfer(notification=exc.failure_type == "notification_failed")
         return res
-    first_block = hit // bs
-    last_block = blocks_for(hit + want, bs)
-    read_ids = remote_group[first_block:last_block]
-    n_local = len(read_ids)
+    # The worker pairs the blocks allocated for the counted tokens with the END of D's list.
+    n_local = blocks_for(hit + res.offered, bs) - hit // bs
     res.affected_tokens = res.offered
     res.started = True
+    if n_local > len(remote_group):
+        # vLLM asserts here (_apply_prefix_caching): a handle whose count needs more blocks than it lists.
+        log_failure(engine, state, params, "transfer_setup_failed", n_local)
+        engine.count_failed_transfer()
+        return _failed(res, "transfer_setup_failed", f"the handle lists {len(remote_group)} blocks for "
+                       f"{res.offered} tokens that need {n_local} (vLLM's worker asserts on it)")
+    read_ids = remote_group[len(remote_group) - n_local:]
     injected = engine.faults.transfer_failure()
     try:
         if injected in ("handshake_failed", "handshake_setup_failed"):
@@ -210,14 +268,10 @@ async def pull(engine: Engine, state: RequestState, params: dict[str, Any], *, d
     if not data.get("held", False):
         # Real NIXL reads whatever the memory holds; D then logs "Potentially invalid KV blocks".
         res.stale = True
-    elif d2p and engine.config.verify_prefix_digest:
-        mine = chain_hashes(state.prompt, bs)[first_block:last_block]
-        theirs = [str(h) for h in data.get("block_hashes", [])]
-        for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
-            if a != b:
-                res.mismatch_block = first_block + i
-                break
+    place_loaded(state, res, data.get("block_tokens"), hit, want, bs)
     return res
+
+
 
 
 async def _check_expiry(engine: Engine, state: RequestState, params: dict[str, Any], agent: RemoteAgent,

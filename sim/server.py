@@ -16,25 +16,24 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
+from kvdiag.sim import openai_shapes as shapes
 from kvdiag.sim import vllm_log as vl
+from kvdiag.sim.chat_request import BadRequest, ParsedRequest, parse_request
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.engine import Engine, KVLoadFailed, RequestFailed, RequestState
 from kvdiag.sim.nixl import side_channel_app
-from kvdiag.sim.tokenizer import detokenize, render_chat, token_text, tokenize
+from kvdiag.sim.output_parser import StreamParser, count_reasoning_tokens, parse_full
+from kvdiag.sim.tokenize_api import detokenize_response, tokenize_response
+from kvdiag.sim.tokenizer import IM_END, detokenize, token_text
 
 _ENGINE_KEY = web.AppKey("engine", Engine)
-_MAX_PROMPT_TOKENS = 1_000_000
-
-
-class BadRequest(ValueError):
-    """A request body the OpenAI API would reject (HTTP 400)."""
 
 
 def _error(message: str, status: int, kind: str = "BadRequestError") -> web.Response:
@@ -42,72 +41,42 @@ def _error(message: str, status: int, kind: str = "BadRequestError") -> web.Resp
                              status=status)
 
 
-def _parse(engine: Engine, body: Any, kind: str) -> tuple[list[int], int, dict[str, Any] | None, bool, bool, int]:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise BadRequest("'messages' must be a list of message objects")
-        prompt = render_chat(messages)
-    else:
-        raw = body.get("prompt")
-        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-            raw = raw[0]
-        if isinstance(raw, str):
-            prompt = tokenize(raw)
-        elif isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-            prompt = list(raw)
-        else:
-            raise BadRequest("'prompt' must be a string or a list of token ids")
-    if not prompt or len(prompt) > _MAX_PROMPT_TOKENS:
-        raise BadRequest(f"the prompt must have 1..{_MAX_PROMPT_TOKENS} tokens")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or engine.config.default_max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 100_000:
-        raise BadRequest("max_tokens must be an integer between 1 and 100000")
-    params = body.get("kv_transfer_params")
-    if params is not None and not isinstance(params, dict):
-        raise BadRequest("kv_transfer_params must be an object or null")
-    stream = bool(body.get("stream", False))
-    opts = body.get("stream_options")
-    include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-    seed = body.get("seed")
-    return prompt, max_tokens, params, stream, include_usage, seed if isinstance(seed, int) else 0
+def _usage(engine: Engine, state: RequestState, req: ParsedRequest, full: bool) -> dict[str, Any]:
+    reasoning = count_reasoning_tokens(state.output) if req.setup.reasoning else None
+    if reasoning is not None and not req.setup.thinking:
+        reasoning = 0
+    return shapes.usage(len(state.prompt), len(state.output), state.cached_tokens, reasoning, full)
 
 
-def _usage(state: RequestState) -> dict[str, Any]:
-    return {"prompt_tokens": len(state.prompt), "total_tokens": len(state.prompt) + len(state.output),
-            "completion_tokens": len(state.output),
-            "prompt_tokens_details": {"cached_tokens": state.cached_tokens}}
+def _finish(state: RequestState, req: ParsedRequest, tool_calls_made: bool) -> str | None:
+    """vLLM's chat finish reason: ``tool_calls`` when calls were returned and the model stopped on its own."""
+    reason = state.finish_reason
+    if req.kind == "chat" and tool_calls_made and reason == "stop" and not req.named_tool:
+        return "tool_calls"
+    return reason
 
 
-def _body(engine: Engine, state: RequestState, kind: str, params: dict[str, Any] | None) -> dict[str, Any]:
-    text = detokenize(state.output)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": state.finish_reason, "stop_reason": None}
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                             "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
-    else:
-        choice["text"] = text
-        choice["prompt_logprobs"] = None
-    return {"id": state.external_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": engine.config.model, "choices": [choice],
-            "service_tier": None, "system_fingerprint": None, "usage": _usage(state), "prompt_logprobs": None,
-            "prompt_token_ids": None, "kv_transfer_params": params}
+def _hide_ids(req: ParsedRequest) -> bool:
+    return req.setup.reasoning and not req.setup.include_reasoning
 
 
-def _chunk(engine: Engine, state: RequestState, kind: str, delta: str | None, finish: str | None,
-           role: bool = False) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-    if kind == "chat":
-        d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if delta is not None:
-            d["content"] = delta
-        choice["delta"] = d
-    else:
-        choice["text"] = delta or ""
-    return {"id": state.external_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": engine.config.model, "choices": [choice]}
+def _body(engine: Engine, state: RequestState, req: ParsedRequest, params: dict[str, Any] | None) -> dict[str, Any]:
+    ids = req.return_token_ids and not _hide_ids(req)
+    out_ids = list(state.output) if ids else None
+    prompt_ids = list(state.prompt) if req.return_token_ids else None
+    if req.kind != "chat":
+        return shapes.completion_body(request_id=state.external_id, model=engine.config.model,
+                                      text=detokenize(t for t in state.output if t != IM_END),
+                                      finish_reason=state.finish_reason, token_ids=out_ids,
+                                      prompt_token_ids=prompt_ids, usage_obj=_usage(engine, state, req, True),
+                                      params=params)
+    parsed = parse_full(req.setup, state.output)
+    if req.forced_tools and parsed.content is None:
+        parsed = replace(parsed, content="")
+    return shapes.chat_body(request_id=state.external_id, model=engine.config.model,
+                            message=shapes.chat_message(parsed, engine.config.reasoning_field),
+                            finish_reason=_finish(state, req, bool(parsed.tool_calls)), token_ids=out_ids,
+                            prompt_token_ids=prompt_ids, usage_obj=_usage(engine, state, req, True), params=params)
 
 
 async def _handle_completion(request: web.Request, kind: str) -> web.StreamResponse:
@@ -118,14 +87,14 @@ async def _handle_completion(request: web.Request, kind: str) -> web.StreamRespo
     except ValueError:
         return _error("request body is not valid JSON", 400)
     try:
-        prompt, max_tokens, params, stream, include_usage, seed = _parse(engine, body, kind)
+        req = parse_request(engine.config, body, kind)
     except BadRequest as exc:
         return _error(str(exc), 400)
     model = body.get("model")
     if model is not None and model != engine.config.model:
         return _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
-    state = engine.new_request(request.headers.get("X-Request-Id"), kind, prompt, max_tokens, params, seed,
-                               arrival=arrival)
+    state = engine.new_request(request.headers.get("X-Request-Id"), kind, req.prompt, req.max_tokens, req.params,
+                               req.seed, arrival=arrival, plan=req.plan)
     state.disconnected = lambda: request.transport is None or request.transport.is_closing()
     _log_received(engine, state, body)
     try:
@@ -139,42 +108,70 @@ async def _handle_completion(request: web.Request, kind: str) -> web.StreamRespo
         state.finish_reason = "error"
         out_params = engine.finish(state)
         _log_generated(engine, state, "")
-        if not stream:
-            return web.json_response(_body(engine, state, kind, out_params))
+        if not req.stream:
+            return web.json_response(_body(engine, state, req, out_params))
         resp = await _start_sse(request)
         with contextlib.suppress(ConnectionError):
-            await _send(resp, _chunk(engine, state, kind, None, "error", role=True))
-            await resp.write(b"data: [DONE]\n\n")
+            await _stream_failed(resp, engine, state, req, out_params)
         return resp
-    if not stream:
+    if not req.stream:
         async for _ in engine.generate(state):
             pass
         out_params = engine.finish(state)
         _log_generated(engine, state, "")
-        return web.json_response(_body(engine, state, kind, out_params))
+        return web.json_response(_body(engine, state, req, out_params))
+    return await _stream(request, engine, state, req)
+
+
+async def _stream_failed(resp: web.StreamResponse, engine: Engine, state: RequestState, req: ParsedRequest,
+                         params: dict[str, Any] | None) -> None:
+    created, model, with_params = int(time.time()), engine.config.model, engine.faults.stream_kv_params
+    if req.kind == "chat":
+        await _send(resp, shapes.chat_role_chunk(state.external_id, model, created, None))
+        await _send(resp, shapes.chat_chunk(state.external_id, model, created, {}, None, "error", params, with_params))
+    else:
+        await _send(resp, shapes.completion_chunk(state.external_id, model, created, "", None, None, "error", params,
+                                                  with_params))
+    await resp.write(b"data: [DONE]\n\n")
+
+
+async def _stream(request: web.Request, engine: Engine, state: RequestState, req: ParsedRequest) -> web.StreamResponse:
+    """Stream one token per chunk; the last token's chunk carries the finish reason and D's params."""
     resp = await _start_sse(request)
+    created, model, rid = int(time.time()), engine.config.model, state.external_id
+    with_params = engine.faults.stream_kv_params
+    ids = req.return_token_ids and not _hide_ids(req)
+    parser = StreamParser(req.setup) if req.kind == "chat" else None
+    prompt_ids = list(state.prompt) if req.return_token_ids else None
     try:
-        first = True
         async for tok in engine.generate(state):
-            await _send(resp, _chunk(engine, state, kind, token_text(tok), None, role=first))
-            first = False
+            last = len(state.output) == len(state.planned)
+            if req.kind == "chat" and len(state.output) == 1:  # vLLM sends the role with the first output
+                await _send(resp, shapes.chat_role_chunk(rid, model, created, prompt_ids))
+            out_params = engine.finish(state) if last else None
+            if parser is None:
+                text = "" if tok == IM_END else token_text(tok)
+                await _send(resp, shapes.completion_chunk(
+                    rid, model, created, text, [tok] if ids else None, prompt_ids if len(state.output) == 1 else None,
+                    state.finish_reason if last else None, out_params, with_params))
+                continue
+            delta = parser.step(tok)
+            if delta is None:
+                if not last and not (ids and not _hide_ids(req)):
+                    continue
+                delta = {} if req.setup.active else {"content": ""}
+            finish = _finish(state, req, parser.tools_streamed) if last else None
+            await _send(resp, shapes.chat_chunk(rid, model, created, delta, [tok] if ids else None, finish,
+                                                out_params, with_params))
     except asyncio.CancelledError:
         engine.finish(state, aborted=True)
         raise
     except ConnectionError:  # the client went away: vLLM aborts the request (no params, nothing held)
         engine.finish(state, aborted=True)
         return resp
-    out_params = engine.finish(state)
-    final = _chunk(engine, state, kind, "", state.finish_reason)
-    if engine.faults.stream_kv_params:
-        final["kv_transfer_params"] = out_params  # vLLM PR #40186: only the final chunk carries them
     with contextlib.suppress(ConnectionError):
-        await _send(resp, final)
-        if include_usage:
-            usage_chunk = _chunk(engine, state, kind, None, None)
-            usage_chunk["choices"] = []
-            usage_chunk["usage"] = _usage(state)
-            await _send(resp, usage_chunk)
+        if req.include_usage:
+            await _send(resp, shapes.usage_chunk(rid, model, created, req.kind, _usage(engine, state, req, False)))
         await resp.write(b"data: [DONE]\n\n")
     _log_generated(engine, state, " (streaming complete)")
     return resp
@@ -218,6 +215,30 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await _handle_completion(request, "completion")
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error("request body is not valid JSON", 400)
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is not None and model != engine.config.model:
+        return _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
+    try:
+        return web.json_response(tokenize_response(engine.config, body))
+    except BadRequest as exc:
+        return _error(str(exc), 400)
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(detokenize_response(await request.json()))
+    except BadRequest as exc:
+        return _error(str(exc), 400)
+    except ValueError:
+        return _error("request body is not valid JSON", 400)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -272,6 +293,8 @@ def api_app(engine: Engine) -> web.Application:
     app[_ENGINE_KEY] = engine
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)

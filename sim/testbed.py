@@ -58,8 +58,11 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
 
 async def run_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, messages: list[dict[str, Any]],
                    handle: dict[str, Any] | None, request_id: str, max_tokens: int = 32,
-                   stream: bool = True) -> TurnResult:
-    """One P then D turn; stops after P if P failed (no params or an error)."""
+                   stream: bool = True, extra: dict[str, Any] | None = None) -> TurnResult:
+    """One P then D turn; stops after P if P failed (no params or an error).
+
+    ``extra`` fields (``tools``, ``kvdiag_sim``, ``chat_template_kwargs``, ...) go into both requests.
+    """
     p_params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
     if handle:
@@ -67,7 +70,7 @@ async def run_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, messa
         p_params.update(do_remote_decode=True, do_remote_prefill=False)
     headers = {"X-Request-Id": request_id}
     async with session.post(f"{p_url}/v1/chat/completions", headers=headers, json={
-            "messages": messages, "max_tokens": 1, "stream": False,
+            **(extra or {}), "messages": messages, "max_tokens": 1, "stream": False,
             "kv_transfer_params": p_params}) as resp:
         result = TurnResult(resp.status, await resp.json())
     params = result.p_params
@@ -75,7 +78,8 @@ async def run_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, messa
     if result.p_status != 200 or params is None or choices[0].get("finish_reason") == "error":
         return result
     d_params = {k: v for k, v in params.items() if k != "kvdiag"}
-    body = {"messages": messages, "max_tokens": max_tokens, "stream": stream, "kv_transfer_params": d_params}
+    body = {**(extra or {}), "messages": messages, "max_tokens": max_tokens, "stream": stream,
+            "kv_transfer_params": d_params}
     async with session.post(f"{d_url}/v1/chat/completions", headers=headers, json=body) as resp:
         result.d_status = resp.status
         if stream:
@@ -83,7 +87,7 @@ async def run_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, messa
             for chunk in result.d_chunks:
                 for choice in chunk.get("choices") or []:
                     result.reply += choice.get("delta", {}).get("content") or ""
-                if "kv_transfer_params" in chunk:
+                if chunk.get("kv_transfer_params") is not None:  # vLLM writes null on every other chunk
                     result.d_params = chunk["kv_transfer_params"]
         else:
             result.d_body = await resp.json()

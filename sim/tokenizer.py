@@ -5,9 +5,13 @@ whitespace). A piece in the built-in vocabulary (synthetic syllable words, with 
 leading space) is one token; any other piece is packed into 3-byte chunk tokens, so every text
 round-trips exactly: ``detokenize(tokenize(s)) == s``.
 
-:func:`render_chat` tokenizes each message on its own and joins them with special tokens, so the
-next turn's prompt (history + the reply the engine generated + a new message) extends the previous
-prompt plus the reply token for token, as a real chat template does.
+Special tokens (``<|im_start|>``, ``<|im_end|>``, ``<think>``, ``</think>``, ``<tool_call>``,
+``</tool_call>``, ``<tool_response>``, ``</tool_response>``) are single ids wherever they appear in
+text, as a Hugging Face tokenizer treats added tokens; the text between them is tokenized on its own.
+
+:func:`render_chat` renders messages with the Qwen3-style template of :mod:`kvdiag.sim.chat_template`;
+the next turn's prompt (history + the reply the engine generated, sent back verbatim + a new message)
+extends the previous prompt plus the reply token for token, as a real chat template does.
 
 Usage::
 
@@ -28,15 +32,26 @@ from typing import Any, Final
 _CONSONANTS: Final = "bdfgklmnprstvz"
 _VOWELS: Final = "aeiou"
 
-# Special tokens of the chat template (ChatML-like).
+# Special tokens of the chat template (ChatML, plus Qwen3's reasoning and tool-call tags).
 IM_START: Final = 1
-IM_END: Final = 2
+IM_END: Final = 2  # also the end-of-sequence token a finished reply ends with
 NEWLINE: Final = 3
-_SPECIAL_TEXT: Final[dict[int, str]] = {0: "", IM_START: "<|im_start|>", IM_END: "<|im_end|>", NEWLINE: "\n"}
+THINK_START: Final = 4
+THINK_END: Final = 5
+TOOL_CALL_START: Final = 6
+TOOL_CALL_END: Final = 7
+TOOL_RESPONSE_START: Final = 8
+TOOL_RESPONSE_END: Final = 9
+SPECIAL_TOKENS: Final[dict[str, int]] = {
+    "<|im_start|>": IM_START, "<|im_end|>": IM_END, "<think>": THINK_START, "</think>": THINK_END,
+    "<tool_call>": TOOL_CALL_START, "</tool_call>": TOOL_CALL_END, "<tool_response>": TOOL_RESPONSE_START,
+    "</tool_response>": TOOL_RESPONSE_END}
+_SPECIAL_TEXT: Final[dict[int, str]] = {0: "", NEWLINE: "\n", **{i: t for t, i in SPECIAL_TOKENS.items()}}
 _WORD_BASE: Final = 16
 _CHUNK_BASE: Final = 1 << 24  # ids at and above: up to 3 raw bytes packed into the id
 
 _PIECE_RE: Final = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+|.", re.DOTALL)
+_SPECIAL_RE: Final = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 
 class TokenizerError(ValueError):
@@ -71,12 +86,26 @@ def _encode_piece(piece: str, out: list[int]) -> None:
         out.append(_CHUNK_BASE + (len(chunk) << 24) + int.from_bytes(chunk.ljust(3, b"\0"), "big"))
 
 
-def tokenize(text: str) -> list[int]:
-    """Return the token ids of ``text`` (never special tokens other than a lone newline)."""
-    out: list[int] = []
+def _tokenize_plain(text: str, out: list[int]) -> None:
     for match in _PIECE_RE.finditer(text):
         _encode_piece(match.group(0), out)
+
+
+def tokenize(text: str) -> list[int]:
+    """Return the token ids of ``text``; special-token strings in it become their single ids."""
+    out: list[int] = []
+    pos = 0
+    for match in _SPECIAL_RE.finditer(text):
+        _tokenize_plain(text[pos:match.start()], out)
+        out.append(SPECIAL_TOKENS[match.group(0)])
+        pos = match.end()
+    _tokenize_plain(text[pos:], out)
     return out
+
+
+def is_special(tok: int) -> bool:
+    """True for the template's special tokens (not for the plain newline)."""
+    return 0 < tok < _WORD_BASE and tok != NEWLINE
 
 
 def _decode_bytes(tok: int) -> bytes:
@@ -104,33 +133,28 @@ def token_text(tok: int) -> str:
 
 
 def message_text(content: Any) -> str:
-    """The text of an OpenAI message ``content`` (a string, or a list of text parts)."""
+    """The text of an OpenAI message ``content``: a string, or text parts joined by newlines (as vLLM does)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        return "\n".join(str(p.get("text", "")) for p in content
+                         if isinstance(p, Mapping) and p.get("type", "text") == "text")
     return str(content)
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a chat: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the assistant header."""
-    out: list[int] = []
-    for msg in messages:
-        out.append(IM_START)
-        out.extend(tokenize(str(msg.get("role", "user"))))
-        out.append(NEWLINE)
-        out.extend(tokenize(message_text(msg.get("content"))))
-        out.extend((IM_END, NEWLINE))
-    if add_generation_prompt:
-        out.append(IM_START)
-        out.extend(tokenize("assistant"))
-        out.append(NEWLINE)
-    return out
+def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                **options: Any) -> list[int]:
+    """Token ids of a chat rendered with the Qwen3-style template (options: ``tools``,
+    ``chat_template_kwargs``, ``continue_final_message``; see :func:`kvdiag.sim.chat_template.render_text`)."""
+    from kvdiag.sim.chat_template import render_text  # noqa: PLC0415 - the template imports this module
+
+    return tokenize(render_text(messages, add_generation_prompt=add_generation_prompt, **options))
 
 
-def _rng(seed: int, key: Sequence[int]) -> random.Random:
+def reply_rng(seed: int, key: Sequence[int]) -> random.Random:
+    """The deterministic random stream of a reply to prompt ``key``."""
     digest = hashlib.blake2b(repr((seed, len(key), tuple(key[-64:]))).encode(), digest_size=8).digest()
     return random.Random(int.from_bytes(digest, "big"))
 
@@ -143,12 +167,18 @@ def generate_reply(seed: int, key: Sequence[int], n: int) -> list[int]:
     """
     pieces = _vocab()[0]
     half = len(pieces) // 2
-    rng = _rng(seed, key)
+    rng = reply_rng(seed, key)
     out = []
     for i in range(n):
         w = rng.randrange(half)
         out.append(_WORD_BASE + (w if i == 0 else half + w))
     return out
+
+
+def random_words(rng: random.Random, n: int) -> str:
+    """``n`` vocabulary words joined by single spaces (exactly ``n`` tokens when tokenized alone)."""
+    words = vocab_words()
+    return " ".join(words[rng.randrange(len(words))] for _ in range(n))
 
 
 def generate_text(seed: int, n_tokens: int) -> str:

@@ -86,7 +86,7 @@ async def test_two_turns_read_back_from_d(engines: Factory, session: aiohttp.Cli
     d = await engines("decode")
     t1, t2 = await _two_turns(session, p, d)
     d1 = t1.d_params
-    assert d1 is not None and set(d1) == D_PARAM_KEYS
+    assert d1 is not None and set(d1) == D_PARAM_KEYS | {"kvdiag_digest"}  # instrumented D: the connector's digest
     assert d1["do_remote_decode"] is True and d1["do_remote_prefill"] is False
     assert re.fullmatch(r"chatcmpl-conv1-t1-[0-9a-f]{8}", d1["remote_request_id"])
     assert d1["remote_engine_id"] == d.engine_id and d1["remote_port"] == d.side_channel_port

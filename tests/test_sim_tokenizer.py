@@ -61,9 +61,9 @@ def test_generation_is_deterministic_per_prompt_and_seed() -> None:
     assert generate_reply(0, prompt, 10) != generate_reply(1, prompt, 10)
 
 
-def test_content_parts_render_like_a_string() -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": " c"}]}]
-    assert render_chat(parts) == render_chat([{"role": "user", "content": "a b c"}])
+def test_content_parts_render_like_vllm_joins_them() -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": "c"}]}]
+    assert render_chat(parts) == render_chat([{"role": "user", "content": "a b\nc"}])
 
 
 def test_unknown_token_id_is_an_error() -> None:
