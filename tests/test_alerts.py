@@ -126,12 +126,16 @@ def test_rule_file_groups_are_stable_and_unique() -> None:
 
 def test_cli_export(tmp_path: Path) -> None:
     out = tmp_path / "rules" / "kvdiag.yaml"
-    result = CliRunner().invoke(cli, ["alerts", "export", "--out", str(out)])
+    missing = CliRunner().invoke(cli, ["alerts", "export", "--out", str(out)])
+    assert missing.exit_code == 2 and "--runbook-base-url" in missing.output  # no default link to a missing page
+    result = CliRunner().invoke(cli, ["alerts", "export", "--out", str(out), "--runbook-base-url",
+                                      DEFAULT_CONFIG.runbook_base_url])
     assert result.exit_code == 0, result.output
     assert out.read_text() == RULES_FILE.read_text()
     custom = CliRunner().invoke(cli, ["alerts", "export", "--out", str(out), "--runbook-base-url",
                                       "https://wiki.example/kv"])
     assert custom.exit_code == 0
     assert "https://wiki.example/kv#kvdiagbidirectionalreuseoff" in out.read_text()
-    bad = CliRunner().invoke(cli, ["alerts", "export", "--out", str(out), "--router-selector", "{job='x'}"])
+    bad = CliRunner().invoke(cli, ["alerts", "export", "--out", str(out), "--router-selector", "{job='x'}",
+                                   "--runbook-base-url", "https://wiki.example/kv"])
     assert bad.exit_code == 1 and "without braces" in bad.output
