@@ -66,6 +66,11 @@ class RouterConfig:
     service_name: str = "kvdiag-router"
     # how many distinct `model` label values metrics keep before folding the rest into "other"
     max_model_labels: int = 16
+    # reuse rule (docs/router.md "Which tokens a handle may cover")
+    block_size: int | None = None  # D's KV block size; None: inferred per engine from the handles seen
+    template_margin_tokens: int = 8  # generation-prompt tokens a history rendering may not reproduce
+    verify_tokens: bool = False  # prove reuse token by token (P's /tokenize, D's token ids)
+    max_reply_bytes: int = 8 << 20  # a decode stream recorded beyond this is unverifiable
 
     @property
     def handle_ttl(self) -> float:
@@ -110,6 +115,12 @@ class RouterConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive (seconds)")
         if self.max_connections < 1 or self.max_connections_per_host < 1:
             raise ConfigError("--max-connections must be at least 1")
+        if self.block_size is not None and not 1 <= self.block_size <= 1 << 20:
+            raise ConfigError(f"--block-size {self.block_size}: use the engines' KV block size (e.g. 16)")
+        if not 0 <= self.template_margin_tokens <= 1 << 16:
+            raise ConfigError("--template-margin-tokens must be between 0 and 65536")
+        if self.max_reply_bytes < 1 << 16:
+            raise ConfigError("max_reply_bytes must be at least 64 KiB")
         if self.state != "memory" and not self.state.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"--state {self.state!r}: use 'memory' or a redis://host:port/db URL")
         return self

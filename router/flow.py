@@ -22,21 +22,17 @@ from aiohttp import web
 
 from kvdiag.exporters.tracecontext import trace_id_from_traceparent
 from kvdiag.router.config import RouterConfig
-from kvdiag.router.security import (
-    PromptPrefix,
-    check_prefix,
-    earlier_turns,
-    hash_conversation_id,
-    store_key,
-    tenant_of,
-)
+from kvdiag.router.reply import Observed, observe_body
+from kvdiag.router.reuse import ReuseGuard
+from kvdiag.router.reuse_rule import PromptView, Reuse, prompt_view, unsupported_shape
+from kvdiag.router.security import earlier_turns, hash_conversation_id, store_key, tenant_of
 from kvdiag.router.sse import PARAMS_KEY, SSECapture
 from kvdiag.router.store import Claim, Handle, LastTurn, Store, StoreError
 from kvdiag.router.telemetry import RouterTelemetry
-from kvdiag.router.turns import HIT, TurnState, decide_lookup, prefill_verdict
+from kvdiag.router.turns import HIT, PREFIX_MISMATCH, TurnState, decide_lookup, prefill_verdict
 from kvdiag.router.upstream import LegError, Upstreams, check_json_response
 from kvdiag.schema.events import REPORT_KEY, EventFormatError, PrefillReport
-from kvdiag.schema.verdicts import Verdict
+from kvdiag.schema.verdicts import TrimReason, Verdict
 
 if TYPE_CHECKING:  # opentelemetry is only imported when tracing is on (the otel extra)
     from opentelemetry.trace import Span
@@ -78,7 +74,10 @@ class _Turn:
     conv_log: str | None = None  # the conversation id as logs show it (hashed with --hash-ids)
     key: str | None = None
     claim: Claim | None = None
-    prefix: PromptPrefix | None = None
+    body: dict[str, Any] | None = None
+    view: PromptView | None = None  # the prompt as the reuse rule sees it (None: a shape it cannot check)
+    decision: Any = None  # the reuse rule's Decision for the claimed handle
+    inject: dict[str, Any] | None = None  # D's params as P gets them (cut when the handle is trimmed)
     handle: Handle | None = None  # the handle injected into P's request
     handle_reached_p: bool = False  # P may have read it: never give it back
     reached_decode: bool = False
@@ -98,6 +97,7 @@ class TurnFlow:
         self.tracing = tracing
         self._background: set[asyncio.Task[None]] = set()
         self._reporting_prefill: set[int] = set()  # P instances seen sending kvdiag reports (instrumented)
+        self.reuse = ReuseGuard(config)
         self._env_auth = f"Bearer {os.environ['OPENAI_API_KEY']}" if os.environ.get("OPENAI_API_KEY") else None
 
     async def drain(self) -> None:
@@ -230,16 +230,27 @@ class TurnFlow:
                 self.telemetry.store_error("claim")
                 _logger.warning("store claim failed: %s", exc)
         turn.claim = claim
-        stored_prefix = claim.handle.prefix if claim is not None and claim.handle is not None else None
-        prefix = check_prefix(body, stored_prefix)
-        turn.prefix = prefix.prefix
-        lookup = decide_lookup(has_id=turn.key is not None, claim=claim, prefix=prefix,
+        turn.body = body
+        handle = claim.handle if claim is not None and claim.acquired else None
+        coverage = handle.coverage if handle is not None else None
+        turn.view = prompt_view(body, coverage.lengths() if coverage is not None else ())
+        injection = self.reuse.inject(handle, turn.view) if handle is not None else None
+        decision = injection.decision if injection is not None else None
+        turn.decision = decision
+        lookup = decide_lookup(has_id=turn.key is not None, claim=claim, decision=decision,
                                earlier_turns=earlier_turns(body), now=time.time(), entry_ttl=self.config.handle_ttl,
                                store_error=store_error)
         state.lookup = lookup
         if lookup.verdict is not None:
             state.verdict, state.reason = lookup.verdict, lookup.reason
         turn.handle = lookup.handle
+        state.trim_reason = lookup.trim_reason
+        if injection is not None:
+            turn.inject = injection.params if lookup.result == HIT else None
+            state.handle_tokens = injection.handle_tokens
+            state.reuse_limit_tokens = decision.limit_tokens if decision is not None and turn.inject else 0
+            if decision is not None and decision.reuse is not Reuse.FULL and decision.detail:
+                state.reuse_attrs["reuse_detail"] = decision.detail[:300]
 
     def _log_lookup(self, turn: _Turn) -> None:
         log = self.telemetry.proxy_log
@@ -252,6 +263,8 @@ class TurnFlow:
         conv = turn.conv_log or ""
         if lookup.result == "expired" and lookup.entry_age_s is not None:
             log.stale(conv, lookup.entry_age_s, self.config.handle_ttl)
+        if lookup.result == PREFIX_MISMATCH and lookup.trim_reason is TrimReason.HISTORY_EDITED:
+            log.history_changed(conv)
         if lookup.result == HIT and turn.handle is not None:
             log.hit(conv, lookup.entry_age_s or 0.0)
             log.sending(state.request_id, conv, turn.handle.params.get("remote_request_id"))
@@ -277,8 +290,8 @@ class TurnFlow:
         """Run the prefill leg with retries; return P's params for D and the P index that answered."""
         state = turn.state
         order = self.upstreams.prefill_order()
-        handle = turn.handle
-        first_params = _handle_params(handle.params) if handle is not None else dict(MISS_PARAMS)
+        handle = turn.handle if turn.inject is not None else None
+        first_params = _handle_params(turn.inject) if turn.inject is not None else dict(MISS_PARAMS)
         attempts: list[tuple[int, dict[str, Any], bool]] = [(order[0], first_params, handle is not None)]
         attempts += [(i, dict(MISS_PARAMS), False) for i in order[1:]]
         started = time.perf_counter()
@@ -360,6 +373,7 @@ class TurnFlow:
                 state.cached_tokens = _int(details.get("cached_tokens"))
         raw_params = obj.get(PARAMS_KEY)
         params = dict(raw_params) if isinstance(raw_params, dict) else None
+        self.reuse.observe(params)
         report = None
         if params is not None and REPORT_KEY in params:
             report = _report_from(params.pop(REPORT_KEY), self.telemetry)
@@ -436,7 +450,11 @@ class TurnFlow:
             out = web.StreamResponse(status=200, headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache", "X-Request-Id": state.request_id})
-            capture = SSECapture()
+            body = turn.body or {}
+            n = body.get("n")
+            capture = SSECapture(max_record_bytes=self.config.max_reply_bytes, chat=state.endpoint == "chat",
+                                 single_choice=not (isinstance(n, int) and n > 1) and not body.get("use_beam_search"),
+                                 token_ids=self.config.verify_tokens)
             failure: LegError | None = None
             client_gone = False
             try:
@@ -545,7 +563,7 @@ class TurnFlow:
                 state.completion_tokens = _int(usage.get("completion_tokens"))
             params = obj.pop(PARAMS_KEY, None)
             if isinstance(params, dict):
-                await self._store_result(turn, self._handle_from(params, d_index, turn))
+                await self._store_result(turn, self._handle_from(params, d_index, turn, observe_body(obj)))
             else:
                 reason = "aborted" if _finish_reason(obj) == "abort" else "bidirectional_off_on_decode"
                 state.missing_reason = reason
@@ -562,18 +580,39 @@ class TurnFlow:
         state.reason = f"{message} (prefill verdict: {prefill_outcome})"
 
     # ------------------------------------------------------------------ store
-    def _handle_from(self, params: dict[str, Any], d_index: int, turn: _Turn) -> Handle:
+    def _handle_from(self, params: dict[str, Any], d_index: int, turn: _Turn,
+                     observed: Observed | None) -> Handle | None:
+        """The handle to store for the next turn; None when the request's shape cannot be checked later."""
+        state = turn.state
         params = dict(params)
         if "remote_host" in params:
             params["remote_host"] = self.upstreams.decode[d_index].host  # as the example proxy does
-        lookup = turn.state.lookup
+        lookup = state.lookup
+        view = turn.view
+        if view is None:
+            state.not_kept = f"unsupported request shape: {unsupported_shape(turn.body or {})}"
+            self.reuse.observe(params)
+            return None
+        previous = turn.claim.handle.coverage if turn.claim is not None and turn.claim.handle is not None else None
+        try:
+            coverage = self.reuse.coverage(body=turn.body or {}, view=view, previous=previous,
+                                           decision=turn.decision, prompt_tokens=state.prompt_tokens,
+                                           observed=observed, d_params=params)
+        except Exception:  # recording never breaks a turn: keep the handle without coverage (never injected)
+            self.telemetry.emit_error()
+            _logger.warning("recording the reply for the reuse rule failed", exc_info=True)
+            coverage = None
+        if coverage is not None and coverage.reply is not None:
+            blockers = coverage.reply.blockers()
+            if blockers:
+                state.reply_blockers = [b.value for b in blockers]
         return Handle(params=params, stored_at=time.time(), turn=lookup.turn if lookup else 1,
-                      request_id=turn.state.request_id, prefix=turn.prefix)
+                      request_id=state.request_id, coverage=coverage)
 
     async def _store_from_capture(self, turn: _Turn, capture: SSECapture, d_index: int) -> None:
         state = turn.state
         if capture.params is not None and capture.error is None and capture.malformed is None:
-            await self._store_result(turn, self._handle_from(capture.params, d_index, turn))
+            await self._store_result(turn, self._handle_from(capture.params, d_index, turn, capture.observed))
             return
         if capture.error is not None or capture.malformed is not None:
             state.missing_reason = "decode_failed"
@@ -599,9 +638,10 @@ class TurnFlow:
                 # P never read the handle: give it back for the next turn.
                 await self.store.release(key, claim.token, turn.handle)
                 return
+            not_kept = state.not_kept if handle is None else None
+            missing = None if handle is not None or not_kept else (state.missing_reason or "unknown")
             last = LastTurn(turn=lookup.turn if lookup else 1, ended_at=time.time(), stored=handle is not None,
-                            request_id=state.request_id,
-                            missing_reason=None if handle is not None else (state.missing_reason or "unknown"))
+                            request_id=state.request_id, missing_reason=missing, not_kept=not_kept)
             stored = await self.store.complete(key, claim.token, handle, last)
             state.stored = stored and handle is not None
         except StoreError as exc:
@@ -609,7 +649,11 @@ class TurnFlow:
             _logger.warning("store update failed: %s", exc)
             return
         log = self.telemetry.proxy_log
+        if log is not None and handle is None and state.not_kept is not None:
+            log.unsupported_shape(turn.conv_log or "")
         if state.stored and handle is not None and log is not None:
+            if state.reply_blockers:
+                log.not_validated(turn.conv_log or "")
             blocks = handle.params.get("remote_block_ids")
             first = blocks[0] if isinstance(blocks, list) and blocks and isinstance(blocks[0], list) else []
             log.cached(turn.conv_log or "", handle.params.get("remote_request_id"), len(first))

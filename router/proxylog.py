@@ -88,6 +88,18 @@ class ProxyLog:
         """No handle for this turn."""
         self._logger.info("[%s] conv=%s: cache MISS", request_id, conv)
 
+    def history_changed(self, conv: str) -> None:
+        """The prompt reproduces no earlier turn: D's handle is not injected (the reference proxy's line)."""
+        self._logger.info("conv=%s: cache MISS (request history changed)", conv)
+
+    def not_validated(self, conv: str) -> None:
+        """D's reply cannot be checked against the next prompt (reasoning, tool calls, hidden output)."""
+        self._logger.info("conv=%s: not caching D blocks because response history cannot be validated", conv)
+
+    def unsupported_shape(self, conv: str) -> None:
+        """The request's shape cannot be checked against the next one: D's handle is not kept."""
+        self._logger.info("conv=%s: not caching D blocks for unsupported request shape", conv)
+
     def prefill_done(self, request_id: str, ms: float) -> None:
         """The prefill leg finished."""
         self._logger.info("[%s] Prefill done in %.0fms", request_id, ms)

@@ -1,138 +1,136 @@
-"""Server-sent-events tail capture: watch a decode stream pass through without slowing it.
+"""Server-sent-events capture: record a decode stream as it passes through, read it once at the end.
 
 The router forwards D's bytes to the client as they arrive and feeds the same bytes to
-:class:`SSECapture`. It keeps only the bytes after the last complete frame (frames may be split
-across reads), looks for a few markers with a substring search over complete frames, and
-``json.loads`` only the frames that contain one: the final chunk with ``kv_transfer_params``
-(vLLM PR #40186), a usage chunk, a chunk with a finish reason, an error event, ``[DONE]``.
+:class:`SSECapture`. Per read the capture only appends the bytes to a bounded buffer (C code) and
+looks for ``data: [DONE]`` in the new bytes; the whole record is parsed once, when ``[DONE]``
+arrives or the stream ends (:func:`kvdiag.router.reply.parse_stream`). A reply longer than the
+bound keeps only its last part (enough for the final frame with D's params) and is marked
+unreadable, so the reuse rule treats it as unverifiable.
 
 Usage::
 
     capture = SSECapture()
     async for chunk in response.content.iter_any():
-        await client.write(chunk)
         capture.feed(chunk)
+        await client.write(chunk)
     capture.close()
-    capture.params  # D's kv_transfer_params, or None
+    capture.params           # D's kv_transfer_params, or None
+    capture.observed.content # the reply text
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Final
 
-PARAMS_KEY: Final = "kv_transfer_params"
+from kvdiag.router.reply import PARAMS_KEY, Observed, has_done, parse_stream
+
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "DEFAULT_MAX_RECORD_BYTES", "PARAMS_KEY", "SSECapture"]
+
 DEFAULT_MAX_FRAME_BYTES: Final = 4 << 20
-_MARKERS: Final = (b"[DONE]", b'"finish_reason":"', b'"kv_transfer_params"', b'"error"', b'"usage":{',
-                   b'"finish_reason": "', b'"usage": {')
-
-
-def _marked_frames(block: bytes) -> list[bytes]:
-    """The frames of ``block`` (complete frames, LF-separated) that contain a marker, in stream order.
-
-    One C-level ``find`` per marker over the whole read, not one check per frame: a read that carries
-    many token frames costs the same as a read that carries one.
-    """
-    spans: set[tuple[int, int]] = set()
-    for marker in _MARKERS:
-        pos = block.find(marker)
-        while pos >= 0:
-            start = block.rfind(b"\n\n", 0, pos)
-            start = start + 2 if start >= 0 else 0
-            end = block.find(b"\n\n", pos)
-            end = end if end >= 0 else len(block)
-            spans.add((start, end))
-            pos = block.find(marker, end)
-    return [block[start:end] for start, end in sorted(spans)]
+DEFAULT_MAX_RECORD_BYTES: Final = 8 << 20
+_DONE: Final = b"[DONE]"
 
 
 class SSECapture:
-    """Incremental scanner of one SSE stream; never raises on bad input, records it instead."""
+    """Records one SSE stream; never raises on bad input, records it instead."""
 
-    __slots__ = ("_max_frame", "_scanning", "_tail", "done", "error", "finish_reason", "frames_parsed",
-                 "malformed", "params", "params_present", "usage")
+    __slots__ = ("_buf", "_frame_start", "_max_frame", "_max_record", "_parse", "_scanning", "_truncated",
+                 "observed")
 
-    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-        self._tail = b""
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, *, chat: bool = True, single_choice: bool = True,
+                 token_ids: bool = False) -> None:
+        self._buf = bytearray()
+        self._parse = (chat, single_choice, token_ids)
+        self._frame_start = 0  # where the frame being received starts in the buffer
         self._max_frame = max_frame_bytes
+        self._max_record = max(max_record_bytes, 2 * max_frame_bytes)
         self._scanning = True
-        self.params: dict[str, Any] | None = None
-        self.params_present = False  # a frame carried the key (possibly null)
-        self.done = False  # ``data: [DONE]`` seen
-        self.error: Any = None  # an error event's payload
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.malformed: str | None = None
-        self.frames_parsed = 0
+        self._truncated = False
+        self.observed: Observed | None = None  # set once the stream ended ([DONE] or close)
 
     def feed(self, chunk: bytes) -> None:
-        """Scan one read of the stream (any size, any split)."""
+        """Record one read of the stream (any size, any split)."""
         if not self._scanning or not chunk:
             return
-        data = self._tail + chunk if self._tail else chunk
-        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        if end == 0:
-            self._keep(data)
+        start = len(self._buf)
+        self._buf += chunk
+        boundary = self._buf.rfind(b"\n\n", max(start - 1, 0))
+        if boundary >= 0:
+            self._frame_start = boundary + 2
+        if len(self._buf) - self._frame_start > self._max_frame:
+            self._scanning = False
+            self._buf = bytearray()
+            self.observed = Observed(malformed=f"an SSE frame exceeded {self._max_frame} bytes", unreadable=True)
             return
-        complete, self._tail = data[:end], data[end:]
-        if len(self._tail) > self._max_frame:
-            self._overflow()
+        if len(self._buf) > self._max_record:
+            self._roll()
+        if has_done(self._buf, max(start - len(_DONE) - 8, 0)):
+            self._finish()
+
+    def _roll(self) -> None:
+        # Keep the last part, cut at a frame boundary: the final frame (D's params) must survive.
+        self._truncated = True
+        keep = max(self._max_record // 4, self._max_frame)
+        cut = self._buf.find(b"\n\n", len(self._buf) - keep)
+        if cut < 0:
             return
-        if b"\r" in complete:
-            complete = complete.replace(b"\r\n", b"\n")
-        for frame in _marked_frames(complete):
-            self._parse(frame)
+        del self._buf[:cut + 2]
+        self._frame_start = max(self._frame_start - cut - 2, 0)
 
-    def _keep(self, data: bytes) -> None:
-        if len(data) > self._max_frame:
-            self._overflow()
-        else:
-            self._tail = data
-
-    def _overflow(self) -> None:
-        self.malformed = f"an SSE frame exceeded {self._max_frame} bytes"
+    def _finish(self) -> None:
+        if self.observed is None:
+            chat, single, ids = self._parse
+            self.observed = parse_stream(bytes(self._buf), chat=chat, single_choice=single, token_ids=ids,
+                                         truncated=self._truncated)
         self._scanning = False
-        self._tail = b""
+        self._buf = bytearray()
 
     def close(self) -> None:
-        """End of stream: a final frame without the blank line still counts."""
-        if self._scanning and self._tail.strip():
-            frame, self._tail = self._tail, b""
-            for marked in _marked_frames(frame.replace(b"\r\n", b"\n")):
-                self._parse(marked)
-        self._scanning = False
+        """End of stream: parse what was recorded (a final frame without the blank line still counts)."""
+        if self.observed is not None:
+            return
+        if not self._buf.endswith(b"\n\n") and self._buf.strip():
+            self._buf += b"\n\n"
+        self._finish()
 
-    def _parse(self, frame: bytes) -> None:
-        payload = b"\n".join(line[5:].lstrip(b" ") for line in frame.split(b"\n") if line.startswith(b"data:"))
-        if not payload:
-            return  # comments, event:/id: lines only
-        if payload.strip() == b"[DONE]":
-            self.done = True
-            return
-        self.frames_parsed += 1
-        try:
-            obj = json.loads(payload)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self.malformed = f"decode stream frame is not JSON ({exc})"
-            return
-        if not isinstance(obj, dict):
-            self.malformed = "decode stream frame is not a JSON object"
-            return
-        if "error" in obj or obj.get("object") == "error":
-            self.error = obj.get("error", obj)
-        if PARAMS_KEY in obj:
-            value = obj[PARAMS_KEY]
-            self.params_present = True
-            if isinstance(value, dict):
-                self.params = value
-            elif value is not None:
-                self.malformed = f"{PARAMS_KEY} in the decode stream is not an object"
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-        choices = obj.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
-                    self.finish_reason = choice["finish_reason"]
+    # The fields the flow reads, None/False until the stream ended.
+    @property
+    def done(self) -> bool:
+        """``data: [DONE]`` was seen."""
+        return self.observed is not None and self.observed.done
+
+    @property
+    def params(self) -> dict[str, Any] | None:
+        """D's kv_transfer_params."""
+        return self.observed.params if self.observed is not None else None
+
+    @property
+    def params_present(self) -> bool:
+        """A frame carried the params key (possibly null)."""
+        return self.observed is not None and self.observed.params_present
+
+    @property
+    def error(self) -> Any:
+        """An error event's payload."""
+        return self.observed.error if self.observed is not None else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The last finish reason seen."""
+        return self.observed.finish_reason if self.observed is not None else None
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The last usage object seen."""
+        return self.observed.usage if self.observed is not None else None
+
+    @property
+    def malformed(self) -> str | None:
+        """Why the stream could not be read, when a frame that matters was broken."""
+        return self.observed.malformed if self.observed is not None else None
+
+    @property
+    def frames_parsed(self) -> int:
+        """Frames parsed as JSON one by one (token frames of vLLM's layout are not)."""
+        return self.observed.frames_parsed if self.observed is not None else 0

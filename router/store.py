@@ -16,6 +16,7 @@ router replicas share and which survives a router restart.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import marshal
@@ -24,13 +25,15 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import redis.asyncio as redis_asyncio
 
-from kvdiag.router.security import PromptPrefix
+from kvdiag.router.reuse_rule import CHAT, COMPLETION, MAX_RUNGS, Coverage, ReplyRecord, Rung, TokenTrace
 
 EvictionCallback = Callable[[str, int], None]  # (reason "capacity" | "ttl", count)
+HANDLE_FORMAT: Final = 2  # v1 (no "v"): params and a prompt digest only; read as a handle without coverage
+MAX_TRACE_BYTES: Final = 1024 * 8
 
 
 class StoreError(RuntimeError):
@@ -39,29 +42,74 @@ class StoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class Handle:
-    """D's kv_transfer_params for a conversation's next turn, and what they cover."""
+    """D's kv_transfer_params for a conversation's next turn, and what they are known to cover."""
 
     params: dict[str, Any]
     stored_at: float  # epoch seconds when the turn that produced it finished
     turn: int
     request_id: str
-    prefix: PromptPrefix | None = None
+    coverage: Coverage | None = None  # None: never injected (an older router's handle, or unknown shape)
 
     def to_json(self) -> str:
         """Serialized form (ints stay ints, floats stay floats)."""
-        return json.dumps({"params": self.params, "stored_at": self.stored_at, "turn": self.turn,
-                           "request_id": self.request_id,
-                           "prefix": self.prefix.to_dict() if self.prefix else None}, separators=(",", ":"))
+        return json.dumps({"v": HANDLE_FORMAT, "params": self.params, "stored_at": self.stored_at, "turn": self.turn,
+                           "request_id": self.request_id, "coverage": coverage_to_obj(self.coverage)},
+                          separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Handle:
         """Parse a stored handle; raise StoreError when it is not one."""
         try:
             obj = json.loads(raw)
+            coverage = coverage_from_obj(obj.get("coverage")) if obj.get("v") == HANDLE_FORMAT else None
             return cls(params=dict(obj["params"]), stored_at=float(obj["stored_at"]), turn=int(obj["turn"]),
-                       request_id=str(obj["request_id"]), prefix=PromptPrefix.from_dict(obj.get("prefix")))
-        except (ValueError, KeyError, TypeError) as exc:
+                       request_id=str(obj["request_id"]), coverage=coverage)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError(f"corrupt handle in the store: {exc}") from None
+
+
+def coverage_to_obj(c: Coverage | None) -> Any:
+    """The coverage as JSON-compatible builtins (also what the memory store marshals)."""
+    if c is None:
+        return None
+    r = c.reply
+    reply = None if r is None else [r.content_sha256, r.content_bytes, sorted(r.parts), sorted(r.options),
+                                    r.finish_reason, r.stop_reason, r.stop_reason_seen, r.completion_tokens, r.choices]
+    tokens = None if c.tokens is None else [c.tokens.step, c.tokens.count,
+                                            base64.b64encode(c.tokens.checkpoints).decode()]
+    return [c.kind, [[g.length, g.digest, g.tokens] for g in c.rungs], reply,
+            list(c.continuation) if c.continuation else None, c.block_size, tokens]
+
+
+def coverage_from_obj(obj: Any) -> Coverage | None:
+    """Inverse of :func:`coverage_to_obj`; raises ValueError/TypeError/KeyError on anything else."""
+    if obj is None:
+        return None
+    kind, rungs, reply, cont, block_size, tokens = obj
+    if kind not in (CHAT, COMPLETION) or not isinstance(rungs, list) or len(rungs) > MAX_RUNGS:
+        raise ValueError("coverage has an unknown kind or too many rungs")
+    ladder = tuple(Rung(_int(n), str(d), None if t is None else _int(t)) for n, d, t in rungs)
+    record = None
+    if reply is not None:
+        sha, size, parts, options, finish, stop, stop_seen, completion, choices = reply
+        record = ReplyRecord(None if sha is None else str(sha), _int(size), frozenset(map(str, parts)),
+                             frozenset(map(str, options)), finish, stop, bool(stop_seen),
+                             None if completion is None else _int(completion), _int(choices))
+    trace = None
+    if tokens is not None:
+        step, count, raw = tokens
+        data = base64.b64decode(raw) if isinstance(raw, str) else bytes(raw)
+        if len(data) > MAX_TRACE_BYTES or len(data) % 8:
+            raise ValueError("token trace too long or not whole checkpoints")
+        trace = TokenTrace(_int(step), _int(count), data)
+    return Coverage(kind, ladder, record, (_int(cont[0]), str(cont[1])) if cont else None,
+                    None if block_size is None else _int(block_size), trace)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -73,12 +121,13 @@ class LastTurn:
     stored: bool  # a handle was stored for the next turn
     request_id: str
     missing_reason: str | None = None  # why D's params did not arrive (when not stored)
+    not_kept: str | None = None  # why the router did not keep D's params it received (request shape)
 
     def to_json(self) -> str:
         """Serialized form."""
         return json.dumps({"turn": self.turn, "ended_at": self.ended_at, "stored": self.stored,
-                           "request_id": self.request_id, "missing_reason": self.missing_reason},
-                          separators=(",", ":"))
+                           "request_id": self.request_id, "missing_reason": self.missing_reason,
+                           "not_kept": self.not_kept}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> LastTurn:
@@ -86,7 +135,8 @@ class LastTurn:
         try:
             obj = json.loads(raw)
             return cls(turn=int(obj["turn"]), ended_at=float(obj["ended_at"]), stored=bool(obj["stored"]),
-                       request_id=str(obj["request_id"]), missing_reason=obj.get("missing_reason"))
+                       request_id=str(obj["request_id"]), missing_reason=obj.get("missing_reason"),
+                       not_kept=obj.get("not_kept"))
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"corrupt last-turn record in the store: {exc}") from None
 
@@ -137,14 +187,20 @@ def _new_token() -> str:
 
 def _pack_handle(handle: Handle) -> bytes:
     # marshal: the fastest exact round trip of JSON-like builtins (ints stay ints); in-process data only.
-    prefix = (handle.prefix.kind, handle.prefix.length, handle.prefix.digest) if handle.prefix else None
-    return marshal.dumps((handle.params, handle.turn, handle.request_id, prefix))
+    coverage = handle.coverage
+    packed = None
+    if coverage is not None:
+        obj = coverage_to_obj(coverage)
+        if coverage.tokens is not None:
+            obj[5] = [coverage.tokens.step, coverage.tokens.count, coverage.tokens.checkpoints]
+        packed = obj
+    return marshal.dumps((handle.params, handle.turn, handle.request_id, packed))
 
 
 def _unpack_handle(stored_at: float, packed: bytes) -> Handle:
-    params, turn, request_id, prefix = marshal.loads(packed)
+    params, turn, request_id, coverage = marshal.loads(packed)
     return Handle(params=params, stored_at=stored_at, turn=turn, request_id=request_id,
-                  prefix=PromptPrefix(*prefix) if prefix else None)
+                  coverage=coverage_from_obj(coverage))
 
 
 class MemoryStore:
@@ -165,7 +221,7 @@ class MemoryStore:
         # Entries are kept as (timestamp, JSON) tuples of atomics, which the cyclic garbage collector
         # does not track: 100k stored objects would make every full collection a ~200 ms pause.
         self._handles: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
-        self._last: OrderedDict[str, tuple[float, int, bool, str, str | None]] = OrderedDict()
+        self._last: OrderedDict[str, tuple[float, int, bool, str, str | None, str | None]] = OrderedDict()
         self._locks: dict[str, tuple[str, float]] = {}
         # Claim tokens only need to be unique within this process (uuid4 would double a claim's cost).
         self._tokens = itertools.count(1)
@@ -183,11 +239,11 @@ class MemoryStore:
         last = None
         raw_last = self._last.get(key)
         if raw_last is not None:
-            ended_at, turn, stored, request_id, reason = raw_last
+            ended_at, turn, stored, request_id, reason, not_kept = raw_last
             if now - ended_at >= self.last_turn_ttl:
                 del self._last[key]
             else:
-                last = LastTurn(turn, ended_at, stored, request_id, reason)
+                last = LastTurn(turn, ended_at, stored, request_id, reason, not_kept)
         held = self._locks.get(key)
         if held is not None and held[1] > now:
             return Claim(None, None, last)
@@ -211,7 +267,7 @@ class MemoryStore:
         self._locks.pop(key, None)
         if handle is not None:
             self.put_handle(key, handle)
-        self._last[key] = (last.ended_at, last.turn, last.stored, last.request_id, last.missing_reason)
+        self._last[key] = (last.ended_at, last.turn, last.stored, last.request_id, last.missing_reason, last.not_kept)
         self._last.move_to_end(key)
         while len(self._last) > self.capacity:
             self._last.popitem(last=False)

@@ -174,6 +174,14 @@ class RouterTelemetry:
         overhead = s.overhead_ms
         if overhead is not None:
             self._labels("kvdiag_router_overhead_seconds", model=model).observe(overhead / 1000.0)
+        if s.handle_tokens is not None:
+            if s.reuse_limit_tokens:
+                self._labels("kvdiag_reuse_offered_tokens", model=model).inc(s.reuse_limit_tokens)
+            if s.trim_reason is not None:
+                reason = s.trim_reason.value
+                self._labels("kvdiag_reuse_trimmed_turns", model=model, reason=reason).inc()
+                if s.trimmed_tokens:
+                    self._labels("kvdiag_reuse_trimmed_tokens", model=model, reason=reason).inc(s.trimmed_tokens)
         report = s.report
         if report is not None:
             if report.transfer_bytes:

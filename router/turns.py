@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvdiag.router.config import P_EXPIRY_SAFETY_MARGIN
-from kvdiag.router.security import ID_HASH_SCHEME, PrefixCheck
+from kvdiag.router.reuse_rule import Decision, Reuse
+from kvdiag.router.security import ID_HASH_SCHEME
 from kvdiag.router.store import Claim, Handle
 from kvdiag.schema.events import PrefillReport, TurnEvent, now_ts
-from kvdiag.schema.verdicts import REUSED_VERDICTS, Verdict
+from kvdiag.schema.verdicts import REUSED_VERDICTS, TrimReason, Verdict
 
 # Lookup results (the catalog's LOOKUP_RESULTS label values).
 HIT: Final = "hit"
@@ -38,11 +39,15 @@ class Lookup:
     reason: str | None = None
     entry_age_s: float | None = None
     gap_s: float | None = None
+    trim_reason: TrimReason | None = None  # why D's handle was not injected (in full)
 
 
-def decide_lookup(*, has_id: bool, claim: Claim | None, prefix: PrefixCheck | None, earlier_turns: int,
+def decide_lookup(*, has_id: bool, claim: Claim | None, decision: Decision | None, earlier_turns: int,
                   now: float, entry_ttl: float, store_error: str | None = None) -> Lookup:
-    """Decide the lookup result, turn number and (when no handle is offered) the verdict."""
+    """Decide the lookup result, turn number and (when no handle is offered) the verdict.
+
+    ``decision`` is the reuse rule's answer for the claimed handle (None when there is none).
+    """
     if not has_id:
         turn = earlier_turns + 1
         if earlier_turns == 0:
@@ -61,11 +66,17 @@ def decide_lookup(*, has_id: bool, claim: Claim | None, prefix: PrefixCheck | No
     handle = claim.handle
     if handle is not None:
         age = max(now - handle.stored_at, 0.0)
-        if handle.prefix is None or prefix is None or not prefix.extends:
+        if decision is None or decision.reuse is Reuse.NONE:
+            why = decision.detail if decision is not None else "no reuse decision"
             return Lookup(PREFIX_MISMATCH, turn, verdict=Verdict.PREFIX_MISMATCH, entry_age_s=age, gap_s=gap,
-                          reason=f"the prompt does not extend turn {handle.turn}'s prompt (edited or stripped "
-                                 "history); D's handle not injected")
-        return Lookup(HIT, turn, handle=handle, entry_age_s=age, gap_s=gap)
+                          reason=f"D's handle from turn {handle.turn} not injected: {why}",
+                          trim_reason=decision.reason if decision is not None else TrimReason.UNVERIFIABLE)
+        return Lookup(HIT, turn, handle=handle, entry_age_s=age, gap_s=gap,
+                      trim_reason=decision.reason if decision.reuse is Reuse.TRIMMED else None)
+    if last is not None and not last.stored and last.not_kept is not None:
+        return Lookup(PREFIX_MISMATCH, turn, verdict=Verdict.PREFIX_MISMATCH, gap_s=gap,
+                      reason=f"turn {last.turn}'s D handle was not kept: {last.not_kept}",
+                      trim_reason=TrimReason.UNVERIFIABLE)
     if last is not None:
         age = max(now - last.ended_at, 0.0)
         if last.stored and age >= entry_ttl:
@@ -141,6 +152,20 @@ class TurnState:
     trace_id: str | None = None
     client_params_dropped: bool = False
     id_hashed: bool = False
+    # partial reuse (docs/router.md "Which tokens a handle may cover")
+    handle_tokens: int | None = None  # D's remote_num_tokens in the stored handle
+    reuse_limit_tokens: int | None = None  # remote_num_tokens injected (0: none)
+    trim_reason: TrimReason | None = None
+    reuse_attrs: dict[str, Any] = field(default_factory=dict)
+    not_kept: str | None = None  # why D's returned handle was not kept (request shape)
+    reply_blockers: list[str] = field(default_factory=list)  # why this reply cannot be reused in full
+
+    @property
+    def trimmed_tokens(self) -> int | None:
+        """Tokens of D's handle P was not allowed to read."""
+        if self.handle_tokens is None or self.reuse_limit_tokens is None:
+            return None
+        return max(self.handle_tokens - self.reuse_limit_tokens, 0)
 
     @property
     def reused(self) -> bool:
@@ -175,6 +200,12 @@ class TurnState:
             attrs["decode_index"] = self.decode_index
         if self.cached_tokens is not None:
             attrs["cached_tokens"] = self.cached_tokens
+        if self.reuse_attrs:
+            attrs.update(self.reuse_attrs)
+        if self.not_kept is not None:
+            attrs["handle_not_kept"] = self.not_kept
+        if self.reply_blockers:
+            attrs["reply_not_reusable"] = self.reply_blockers
         return TurnEvent(
             ts=self.ts, source="router", event="router_turn", conversation_id=self.conversation_id,
             turn=lookup.turn if lookup else None, request_id=self.request_id,
@@ -185,6 +216,10 @@ class TurnState:
             local_hit_tokens=report.local_hit_tokens if report else None,
             remote_offered_tokens=report.remote_offered_tokens if report else None,
             remote_read_tokens=report.remote_read_tokens if report else None,
+            handle_tokens=self.handle_tokens, reuse_limit_tokens=self.reuse_limit_tokens,
+            trimmed_tokens=self.trimmed_tokens, trim_reason=self.trim_reason.value if self.trim_reason else None,
+            wrong_kv_tokens=report.wrong_kv_tokens if report else None,
+            mismatch_tokens=report.mismatch_tokens if report else None,
             computed_tokens=report.computed_tokens if report else None,
             transfer_bytes=report.transfer_bytes if report else None,
             transfer_ms=report.transfer_ms if report else None,

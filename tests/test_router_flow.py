@@ -21,6 +21,7 @@ from kvdiag.router.store import MemoryStore, Store
 from kvdiag.schema.events import read_events
 
 CHAT = "/v1/chat/completions"
+REPLY = "tok1 tok2 "  # what FakeBackend's D streams: sent back verbatim, the full handle is reused
 
 
 @contextlib.asynccontextmanager
@@ -89,7 +90,7 @@ async def test_two_turns_carry_d_params_to_p(tmp_path: Path) -> None:
         # Bytes reach the client unchanged (including D's final chunk).
         assert b'"remote_request_id": "chatcmpl-' + rid1.encode() in raw1
 
-        status, _, headers2 = await _post(r.url, _chat("hi", "tok1 tok2", "more"))
+        status, _, headers2 = await _post(r.url, _chat("hi", REPLY, "more"))
         assert status == 200
         p2 = ps[0].requests[1]["kv_transfer_params"]
         expected = d_params(rid1)
@@ -117,7 +118,7 @@ async def test_p_report_gives_the_verdict_and_is_not_sent_to_d(tmp_path: Path) -
     async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path, registry=registry) as r:
         await _post(r.url, _chat("hi"))
         ps[0].p_report = report
-        await _post(r.url, _chat("hi", "x", "more"))
+        await _post(r.url, _chat("hi", REPLY, "more"))
         assert "kvdiag" not in ds[0].requests[1]["kv_transfer_params"]
         ev = (await _events_n(tmp_path, 2))[1]
         assert ev["outcome"] == "remote_hit" and ev["transfer_bytes"] == 98304 and ev["remote_read_tokens"] == 28
@@ -157,9 +158,9 @@ async def test_client_params_are_dropped(tmp_path: Path) -> None:
 async def test_tenants_never_share_handles(tmp_path: Path) -> None:
     async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path) as r:
         await _post(r.url, _chat("hi"), headers={"Authorization": "Bearer tenant-a"})
-        await _post(r.url, _chat("hi", "x", "y"), headers={"Authorization": "Bearer tenant-b"})
+        await _post(r.url, _chat("hi", REPLY, "y"), headers={"Authorization": "Bearer tenant-b"})
         assert ps[0].requests[1]["kv_transfer_params"]["remote_engine_id"] is None
-        await _post(r.url, _chat("hi", "x", "y"), headers={"Authorization": "Bearer tenant-a"})
+        await _post(r.url, _chat("hi", REPLY, "y"), headers={"Authorization": "Bearer tenant-a"})
         assert ps[0].requests[2]["kv_transfer_params"]["remote_engine_id"] == "d-engine-1"
         assert ds[0].headers[0]["Authorization"] == "Bearer tenant-a"  # forwarded to the engines
         evs = await _events_n(tmp_path, 3)
@@ -179,7 +180,7 @@ async def test_frames_split_across_reads_are_captured(tmp_path: Path) -> None:
     async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path) as r:
         ds[0].d_mode = "split"
         await _post(r.url, _chat("hi"))
-        await _post(r.url, _chat("hi", "x", "y"))
+        await _post(r.url, _chat("hi", REPLY, "y"))
         assert ps[0].requests[1]["kv_transfer_params"]["remote_engine_id"] == "d-engine-1"
 
 
@@ -191,7 +192,7 @@ async def test_missing_metadata_reasons_reach_the_next_turn(tmp_path: Path) -> N
             ds[0].d_mode = mode
             await _post(r.url, _chat("hi", conv=f"c{i}"))
             ds[0].d_mode = "ok"
-            await _post(r.url, _chat("hi", "x", "y", conv=f"c{i}"))
+            await _post(r.url, _chat("hi", REPLY, "y", conv=f"c{i}"))
             ev = (await _events_n(tmp_path, 2 * i + 2))[-1]
             assert ev["outcome"] == "metadata_not_returned" and reason in ev["reason"], ev
             assert registry.get_sample_value("kvdiag_missing_metadata_total", {"model": "m", "reason": reason}) == 1
@@ -209,7 +210,7 @@ async def test_decode_failures_send_an_sse_error_and_store_nothing(tmp_path: Pat
             assert b'"error"' in raw and raw.endswith(b"data: [DONE]\n\n"), (mode, raw[-300:])
             assert registry.get_sample_value("kvdiag_upstream_errors_total", {"leg": "decode", "kind": kind}) >= 1
             ds[0].d_mode = "ok"
-            await _post(r.url, _chat("hi", "x", "y", conv=f"c{i}"))
+            await _post(r.url, _chat("hi", REPLY, "y", conv=f"c{i}"))
             assert ps[0].requests[-1]["kv_transfer_params"]["remote_engine_id"] is None
             failed, following = (await _events_n(tmp_path, 2 * i + 2))[-2:]
             assert failed["status"] == "error" and failed["outcome"] == "request_failed"
@@ -256,7 +257,7 @@ async def test_prefill_5xx_retries_another_p_with_fresh_params(tmp_path: Path) -
     async with fake_backends(n_prefill=2) as (ps, ds), router_for(ps, ds, tmp_path) as r:
         await _post(r.url, _chat("hi"))  # turn 1 on P0 (round robin), handle stored
         ps[1].p_status = 500
-        status, _, _ = await _post(r.url, _chat("hi", "x", "y"))  # turn 2 starts on P1 with the handle
+        status, _, _ = await _post(r.url, _chat("hi", REPLY, "y"))  # turn 2 starts on P1 with the handle
         assert status == 200
         assert ps[1].requests[0]["kv_transfer_params"]["remote_engine_id"] == "d-engine-1"
         # Retried with fresh params, never with the consumed handle.
@@ -276,12 +277,12 @@ async def test_prefill_failure_everywhere_is_a_502_and_the_unread_handle_is_give
             _, _, h1 = await _post(good.url, _chat("hi"))
         async with router_for(ps, ds, tmp_path / "dead", store=store, prefill_ports=[dead]) as bad:
             (tmp_path / "dead").mkdir(exist_ok=True)
-            status, raw, _ = await _post(bad.url, _chat("hi", "x", "y"))
+            status, raw, _ = await _post(bad.url, _chat("hi", REPLY, "y"))
             assert status == 502
             err = json.loads(raw)["error"]
             assert err["code"] == 502 and "prefill failed" in err["message"]
         async with router_for(ps, ds, tmp_path / "again", store=store) as good2:
-            await _post(good2.url, _chat("hi", "x", "y"))
+            await _post(good2.url, _chat("hi", REPLY, "y"))
         # P never read the handle, so turn 2's retry still gets turn 1's handle.
         assert ps[0].requests[-1]["kv_transfer_params"]["remote_request_id"] == \
             f"chatcmpl-{h1['X-Request-Id']}-abcd1234"
@@ -305,7 +306,7 @@ async def test_concurrent_turn_never_reads_the_handle_twice(tmp_path: Path) -> N
     async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path, registry=registry) as r:
         await _post(r.url, _chat("hi"))
         ds[0].d_delay = 0.2
-        await asyncio.gather(_post(r.url, _chat("hi", "x", "y")), _post(r.url, _chat("hi", "x", "y")))
+        await asyncio.gather(_post(r.url, _chat("hi", REPLY, "y")), _post(r.url, _chat("hi", REPLY, "y")))
         offered = [req["kv_transfer_params"]["remote_engine_id"] for req in ps[0].requests[1:]]
         assert sorted(offered, key=str) == [None, "d-engine-1"]
         assert registry.get_sample_value("kvdiag_concurrent_turns_total") == 1
@@ -326,7 +327,7 @@ async def test_client_disconnect_cancels_decode_and_is_remembered(tmp_path: Path
         ev = (await _events_n(tmp_path, 1))[0]
         assert ev["status"] == "disconnected" and ev["attrs"]["missing_metadata_reason"] == "client_disconnected"
         ds[0].d_chunks, ds[0].d_delay = 3, 0
-        await _post(r.url, _chat("hi", "x", "y"))
+        await _post(r.url, _chat("hi", REPLY, "y"))
         ev2 = (await _events_n(tmp_path, 2))[1]
         assert ev2["outcome"] == "metadata_not_returned" and "client_disconnected" in ev2["reason"]
 
@@ -344,7 +345,7 @@ async def test_health_metrics_and_proxy_log(tmp_path: Path) -> None:
     log = tmp_path / "proxy.log"
     async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path, proxy_log=log, hash_ids=True) as r:
         _, _, h1 = await _post(r.url, _chat("hi"))
-        _, _, h2 = await _post(r.url, _chat("hi", "x", "y"))
+        _, _, h2 = await _post(r.url, _chat("hi", REPLY, "y"))
         await _post(r.url, _chat("hi", conv=None))
         async with aiohttp.ClientSession() as s:
             async with s.get(r.url + "/health") as resp:
@@ -399,7 +400,7 @@ async def test_spans_for_turn_and_legs_and_ttft_exemplars(tmp_path: Path) -> Non
                           "remote_offered_tokens": 28, "remote_read_tokens": 28, "computed_tokens": 2,
                           "outcome": "remote_hit", "transfer_bytes": 98304, "transfer_ms": 4.5,
                           "engine_id": "p-engine-1"}
-        await _post(r.url, _chat("hi", "x", "y"), headers={"traceparent": TRACEPARENT})
+        await _post(r.url, _chat("hi", REPLY, "y"), headers={"traceparent": TRACEPARENT})
         async with aiohttp.ClientSession() as s, s.get(
                 r.url + "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}) as resp:
             assert resp.headers["Content-Type"].startswith("application/openmetrics-text")

@@ -305,7 +305,7 @@ async def test_tenant_isolation_and_dropped_client_params(tmp_path: Path) -> Non
     async with sim_bed(tmp_path, p={"prefix_caching": False}) as bed:
         m1 = [{"role": "user", "content": LONG}]
         _, reply, raw = await bed.turn(m1, "shared", headers={"Authorization": "Bearer alice"})
-        stolen = json.loads(next(f for f in raw.split(b"\n\n") if b"kv_transfer_params" in f)[6:])
+        stolen = json.loads(next(f for f in raw.split(b"\n\n") if b'"kv_transfer_params":{' in f)[6:])
         handle = stolen["kv_transfer_params"]
         m2 = _next(m1, reply, "next")
         # Mallory uses Alice's conversation id and even pastes Alice's handle: neither reaches P.

@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 from router_support import redis_server
 
-from kvdiag.router.security import PromptPrefix
+from kvdiag.router.reuse_rule import Coverage, ReplyRecord, Rung, token_trace
 from kvdiag.router.store import Handle, LastTurn, MemoryStore, RedisStore, Store, StoreError
+
+COVERAGE = Coverage("messages", (Rung(1, "ab" * 16, 30), Rung(3, "cd" * 16, None)),
+                    ReplyRecord("ef" * 32, 11, frozenset({"reasoning"}), frozenset({"stop"}), "stop", "###", True, 7,
+                                1),
+                    None, 16, token_trace(list(range(100)), 90, 16))
 
 
 class FakeClock:
@@ -26,7 +31,7 @@ def _handle(turn: int = 1, stored_at: float | None = None, rid: str = "r1") -> H
     return Handle(params={"remote_block_ids": [[1, 2, 3]], "remote_engine_id": "d", "remote_num_tokens": 41,
                           "remote_blocks_expiry_time": 1234.5678, "remote_port": 5601},
                   stored_at=time.time() if stored_at is None else stored_at, turn=turn, request_id=rid,
-                  prefix=PromptPrefix("messages", 3, "ab" * 32))
+                  coverage=COVERAGE)
 
 
 def _last(turn: int = 1, stored: bool = True, reason: str | None = None) -> LastTurn:
@@ -57,7 +62,7 @@ async def test_handle_is_single_use_and_round_trips_exactly(store: Store) -> Non
     h = _handle()
     assert await store.complete("k", first.token or "", h, _last())
     second = await store.claim("k")
-    assert second.handle == h  # ints stay ints, floats stay floats, prefix kept
+    assert second.handle == h  # ints stay ints, floats stay floats, the coverage is kept whole
     assert isinstance(second.handle.params["remote_port"], int)
     assert second.last is not None and second.last.turn == 1 and second.last.stored
     await store.complete("k", second.token or "", None, _last(2, stored=False, reason="not_streamed"))
@@ -230,3 +235,31 @@ def test_memory_store_entries_are_invisible_to_the_garbage_collector() -> None:
     gc.collect()
     # Stored as tuples of atomics: a full collection never walks 100k stored handles (a ~200 ms pause).
     assert not gc.is_tracked(s._handles["k"]) and not gc.is_tracked(s._last["k"])
+
+
+async def test_last_turn_remembers_a_handle_that_was_not_kept(store: Store) -> None:
+    first = await store.claim("nk")
+    last = LastTurn(turn=1, ended_at=time.time(), stored=False, request_id="r1", not_kept="unsupported request shape")
+    await store.complete("nk", first.token or "", None, last)
+    again = await store.claim("nk")
+    assert again.last == last
+
+
+def test_handle_format_is_versioned_and_bounded() -> None:
+    import json
+
+    h = _handle()
+    assert Handle.from_json(h.to_json()) == h
+    # A handle stored by an older router (v1: a prompt digest, no coverage) is read, never trusted.
+    v1 = json.dumps({"params": h.params, "stored_at": 1.0, "turn": 2, "request_id": "r",
+                     "prefix": {"kind": "messages", "length": 3, "digest": "ab" * 32}})
+    old = Handle.from_json(v1)
+    assert old.coverage is None and old.params == h.params and old.turn == 2
+    obj = json.loads(h.to_json())
+    obj["coverage"][1] = [[i, "ab", 1] for i in range(100)]  # more rungs than a router ever keeps
+    with pytest.raises(StoreError, match="corrupt handle"):
+        Handle.from_json(json.dumps(obj))
+    obj = json.loads(h.to_json())
+    obj["coverage"][5][2] = "A" * 20000  # a token trace beyond the bound
+    with pytest.raises(StoreError, match="corrupt handle"):
+        Handle.from_json(json.dumps(obj))

@@ -9,33 +9,40 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdiag.router.config import ConfigError, RouterConfig, Upstream
-from kvdiag.router.security import (
-    ANONYMOUS_TENANT,
-    check_prefix,
-    earlier_turns,
-    hash_conversation_id,
-    store_key,
-    tenant_of,
-)
+from kvdiag.router.reuse_rule import Decision, Reuse
+from kvdiag.router.security import ANONYMOUS_TENANT, earlier_turns, hash_conversation_id, store_key, tenant_of
 from kvdiag.router.sse import SSECapture
 from kvdiag.router.store import Claim, Handle, LastTurn
 from kvdiag.router.telemetry import RouterTelemetry
 from kvdiag.router.turns import decide_lookup, prefill_verdict
 from kvdiag.schema.events import PrefillReport
-from kvdiag.schema.verdicts import Verdict
+from kvdiag.schema.verdicts import TrimReason, Verdict
 
 PARAMS = {"remote_block_ids": [[1, 2]], "remote_engine_id": "d", "remote_num_tokens": 33,
           "remote_blocks_expiry_time": 99.5}
 
 
-def _stream(params: object = PARAMS, key: bool = True) -> bytes:
-    frames = [{"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-              {"choices": [{"delta": {"content": 'he said "error" twice'}, "finish_reason": None}]}]
-    final: dict[str, object] = {"choices": [{"delta": {"content": ""}, "finish_reason": "length"}]}
+HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+
+def _stream(params: object = PARAMS, key: bool = True, tokens: int = 1) -> bytes:
+    # vLLM 0.33's layout: every token frame names kv_transfer_params (null) and finish_reason (null).
+    def token(text: str) -> dict[str, object]:
+        frame: dict[str, object] = {**HEAD, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                                                         "finish_reason": None, "token_ids": None}]}
+        if key:
+            frame["kv_transfer_params"] = None
+        return frame
+    frames = [{**HEAD, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}]}]
+    frames += [token('he said "error" twice') for _ in range(tokens)]
+    final: dict[str, object] = {**HEAD, "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                                     "finish_reason": "length", "stop_reason": None}]}
     if key:
         final["kv_transfer_params"] = params
     frames.append(final)
-    return b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
+    return b"".join(b"data: " + json.dumps(f, separators=(",", ":")).encode() + b"\n\n" for f in frames) \
+        + b"data: [DONE]\n\n"
 
 
 @given(st.lists(st.integers(min_value=1, max_value=400), min_size=1, max_size=30))
@@ -50,12 +57,14 @@ def test_capture_finds_params_however_the_stream_is_split(cuts: list[int]) -> No
     capture.close()
     assert capture.params == PARAMS and capture.done and capture.finish_reason == "length"
     assert capture.error is None and capture.malformed is None
+    assert capture.observed is not None and capture.observed.content == 'he said "error" twice'
 
 
-def test_capture_parses_only_frames_with_markers() -> None:
+def test_capture_parses_token_frames_without_json() -> None:
     capture = SSECapture()
-    capture.feed(_stream())
-    assert capture.frames_parsed == 1  # the role chunk and the content chunk are never parsed
+    capture.feed(_stream(tokens=200))
+    assert capture.observed is not None and capture.observed.content == 'he said "error" twice' * 200
+    assert capture.frames_parsed == 1  # only the final frame (params, finish): no token frame is json.loads-ed
 
 
 def test_capture_tells_missing_key_from_null_params() -> None:
@@ -72,6 +81,7 @@ def test_capture_records_error_events_and_malformed_frames() -> None:
     assert err.error == {"message": "x", "code": 500}
     bad = SSECapture()
     bad.feed(b'data: {"kv_transfer_params": {oops\n\n')
+    bad.close()
     assert bad.malformed is not None and bad.params is None
 
 
@@ -89,6 +99,15 @@ def test_capture_bounds_an_endless_frame() -> None:
     assert capture.malformed is not None and "exceeded" in capture.malformed
     capture.feed(b'\n\ndata: {"kv_transfer_params": {"a": 1}}\n\n')
     assert capture.params is None  # scanning stopped: nothing from a broken stream is trusted
+
+
+def test_capture_keeps_the_end_of_an_oversized_reply_and_marks_it_unreadable() -> None:
+    data = _stream(tokens=3000)
+    capture = SSECapture(max_frame_bytes=1 << 16, max_record_bytes=1 << 17)
+    for i in range(0, len(data), 4096):
+        capture.feed(data[i:i + 4096])
+    assert capture.done and capture.params == PARAMS  # the final frame survives the bound
+    assert capture.observed is not None and capture.observed.unreadable  # the reply itself is unverifiable
 
 
 def test_tenant_hash_depends_on_the_token_only() -> None:
@@ -112,28 +131,6 @@ def test_hashed_ids_are_stable_sha256_prefixes() -> None:
 def _msgs(*contents: str) -> list[dict[str, str]]:
     roles = ["user", "assistant"]
     return [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
-
-
-def test_prefix_check_accepts_extensions_and_regenerations() -> None:
-    turn1 = check_prefix({"messages": _msgs("hi")}, None).prefix
-    assert check_prefix({"messages": _msgs("hi", "hello", "more")}, turn1).extends
-    assert check_prefix({"messages": _msgs("hi")}, turn1).extends  # a regenerate: same prompt
-
-
-def test_prefix_check_rejects_edited_or_stripped_history() -> None:
-    turn2 = check_prefix({"messages": _msgs("hi", "<think>x</think>hello", "more")}, None).prefix
-    assert not check_prefix({"messages": _msgs("hi", "hello", "more", "r", "next")}, turn2).extends
-    assert not check_prefix({"messages": _msgs("hi")}, turn2).extends  # shorter than the prefix
-    tools = [{"role": "user", "content": [{"type": "text", "text": "a"}]}]
-    t = check_prefix({"messages": tools}, None).prefix
-    assert check_prefix({"messages": [*tools, {"role": "assistant", "content": "b"}]}, t).extends
-
-
-def test_prefix_check_for_completions_prompts() -> None:
-    p = check_prefix({"prompt": "The cat sat"}, None).prefix
-    assert check_prefix({"prompt": "The cat sat on the mat"}, p).extends
-    assert not check_prefix({"prompt": "A cat sat on the mat"}, p).extends
-    assert not check_prefix({"messages": _msgs("The cat sat")}, p).extends
 
 
 def test_earlier_turns_counts_assistant_messages() -> None:
@@ -172,21 +169,22 @@ def _claim(handle: Handle | None = None, last: LastTurn | None = None, acquired:
     return Claim("tok" if acquired else None, handle, last)
 
 
-def _lookup(claim: Claim | None, earlier: int = 0, has_id: bool = True, extends: bool = True) -> Verdict | None:
-    stored = claim.handle.prefix if claim and claim.handle else None
-    body = {"messages": _msgs("hi")}
-    prefix = check_prefix(body, stored)
-    if stored is not None and not extends:
-        prefix = check_prefix({"messages": _msgs("other")}, stored)
-    return decide_lookup(has_id=has_id, claim=claim, prefix=prefix, earlier_turns=earlier, now=NOW,
-                         entry_ttl=450).verdict
+FULL = Decision(Reuse.FULL, 41)
+NONE = Decision(Reuse.NONE, 0, TrimReason.HISTORY_EDITED, "edited")
+
+
+def _lookup(claim: Claim | None, earlier: int = 0, has_id: bool = True, decision: Decision = FULL) -> Verdict | None:
+    return decide_lookup(has_id=has_id, claim=claim, decision=decision if claim and claim.handle else None,
+                         earlier_turns=earlier, now=NOW, entry_ttl=450).verdict
 
 
 def test_lookup_decides_every_router_verdict() -> None:
-    prefix = check_prefix({"messages": _msgs("hi")}, None).prefix
-    handle = Handle({"remote_engine_id": "d"}, NOW - 10, 1, "r", prefix)
+    handle = Handle({"remote_engine_id": "d"}, NOW - 10, 1, "r")
     assert _lookup(_claim(handle)) is None  # a hit: P decides
-    assert _lookup(_claim(handle), extends=False) is Verdict.PREFIX_MISMATCH
+    assert _lookup(_claim(handle), decision=Decision(Reuse.TRIMMED, 32, TrimReason.REPLY_EDITED)) is None
+    assert _lookup(_claim(handle), decision=NONE) is Verdict.PREFIX_MISMATCH
+    not_kept = LastTurn(1, NOW - 5, False, "r", not_kept="unsupported request shape")
+    assert _lookup(_claim(last=not_kept)) is Verdict.PREFIX_MISMATCH
     assert _lookup(_claim()) is Verdict.FIRST_TURN
     assert _lookup(None, has_id=False) is Verdict.FIRST_TURN
     assert _lookup(None, earlier=2, has_id=False) is Verdict.NO_CONVERSATION_ID
@@ -199,7 +197,7 @@ def test_lookup_decides_every_router_verdict() -> None:
 
 
 def test_lookup_numbers_turns_from_the_record() -> None:
-    lk = decide_lookup(has_id=True, claim=_claim(last=LastTurn(4, NOW - 5, False, "r", "aborted")), prefix=None,
+    lk = decide_lookup(has_id=True, claim=_claim(last=LastTurn(4, NOW - 5, False, "r", "aborted")), decision=None,
                        earlier_turns=1, now=NOW, entry_ttl=450)
     assert lk.turn == 5 and lk.gap_s == 5 and "aborted" in (lk.reason or "")
 

@@ -1,0 +1,165 @@
+"""The router's side of the reuse rule: block sizes, what to inject, what to keep with a handle.
+
+:class:`ReuseGuard` applies :mod:`kvdiag.router.reuse_rule` to a claimed handle (knowing each D
+engine's block size, from ``--block-size``, the connector's digest, or inferred from the handles
+seen), and builds the :class:`~kvdiag.router.reuse_rule.Coverage` stored with the next handle from
+what the turn observed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvdiag.router.config import RouterConfig
+from kvdiag.router.reply import Observed
+from kvdiag.router.reuse_rule import (
+    CHAT,
+    COMPLETION,
+    BlockSizeBook,
+    Coverage,
+    Decision,
+    Part,
+    PromptView,
+    ReplyRecord,
+    Reuse,
+    TokenTrace,
+    continuation_digest,
+    decide,
+    has_think_tag,
+    next_rungs,
+    request_options,
+    token_trace,
+    trim_handle,
+)
+from kvdiag.router.store import Handle
+from kvdiag.schema.verdicts import TrimReason
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    """The reuse decision for a claimed handle and the params to send P (None: no handle)."""
+
+    decision: Decision
+    params: dict[str, Any] | None
+    handle_tokens: int | None
+
+
+class ReuseGuard:
+    """Per-process reuse state: the block-size book; stateless otherwise."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.blocks = BlockSizeBook()
+
+    def observe(self, params: Mapping[str, Any] | None) -> None:
+        """Learn an engine's block size from params it returned (D's handle or P's)."""
+        if params is not None:
+            self.blocks.observe(params.get("remote_engine_id"), params)
+
+    def block_size(self, params: Mapping[str, Any], coverage: Coverage | None) -> int | None:
+        """D's block size for a handle: the flag, the connector's digest, the stored value, or inferred."""
+        if self.config.block_size is not None:
+            return self.config.block_size
+        digest = params.get("kvdiag_digest")
+        exact = digest.get("block_size") if isinstance(digest, dict) else None
+        if isinstance(exact, int) and not isinstance(exact, bool) and exact > 0:
+            return exact
+        if coverage is not None and coverage.block_size is not None:
+            return coverage.block_size
+        return self.blocks.block_size(params.get("remote_engine_id"))
+
+    def inject(self, handle: Handle, view: PromptView | None, matched_tokens: int | None = None,
+               prompt_len: int | None = None) -> Injection:
+        """Decide how much of ``handle`` the new prompt may read; cut the params accordingly.
+
+        ``matched_tokens`` / ``prompt_len`` (token-exact mode): leading tokens of the new prompt
+        proven equal to D's sequence, and the new prompt's length in tokens.
+        """
+        params = handle.params
+        num_tokens = params.get("remote_num_tokens")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            return Injection(Decision(Reuse.NONE, 0, TrimReason.UNVERIFIABLE,
+                                      "D's handle carries no remote_num_tokens"), None, None)
+        bs = self.block_size(params, handle.coverage)
+        decision = decide(handle.coverage, view, handle_tokens=num_tokens, block_size=bs,
+                          margin=self.config.template_margin_tokens)
+        if matched_tokens is not None and prompt_len is not None:
+            decision = _token_decision(decision, matched_tokens, prompt_len, num_tokens, bs)
+        if decision.reuse is Reuse.FULL:
+            return Injection(decision, dict(params), num_tokens)
+        if decision.reuse is Reuse.TRIMMED and bs is not None:
+            cut = trim_handle(params, decision.limit_tokens, bs)
+            if cut is not None:
+                return Injection(decision, cut, num_tokens)
+            decision = Decision(Reuse.NONE, 0, TrimReason.UNVERIFIABLE,
+                                f"{decision.detail}; D's block list cannot be cut by position (block size {bs})",
+                                decision.rung, decision.matched)
+        return Injection(decision, None, num_tokens)
+
+    def coverage(self, *, body: Mapping[str, Any], view: PromptView, previous: Coverage | None,
+                 decision: Decision | None, prompt_tokens: int | None, observed: Observed | None,
+                 d_params: Mapping[str, Any], prompt_ids: list[int] | None = None) -> Coverage:
+        """What the handle D just returned covers, for the next turn."""
+        self.observe(d_params)
+        record = reply_record(observed, body, view.kind)
+        continuation = None
+        if view.kind == COMPLETION and observed is not None and record.content_sha256 is not None:
+            continuation = continuation_digest(body, observed.content)
+        bs = self.block_size(d_params, None)
+        trace = None
+        if self.config.verify_tokens and observed is not None:
+            trace = sequence_trace(prompt_ids if prompt_ids is not None else observed.prompt_ids, observed,
+                                   d_params.get("remote_num_tokens"), bs)
+        return Coverage(view.kind, next_rungs(previous, decision, view, prompt_tokens), record, continuation, bs, trace)
+
+
+def reply_record(observed: Observed | None, body: Mapping[str, Any], kind: str) -> ReplyRecord:
+    """The :class:`ReplyRecord` of what D returned (``observed``) for request ``body``."""
+    options = request_options(body)
+    if observed is None:
+        return ReplyRecord(None, options=options)
+    text = observed.content
+    parts = set(observed.parts)
+    if kind == CHAT and has_think_tag(text):
+        parts.add(Part.THINK_TAG)
+    data = text.encode("utf-8", "surrogatepass")
+    readable = not observed.unreadable and observed.malformed is None
+    return ReplyRecord(hashlib.sha256(data).hexdigest() if readable else None, len(data), frozenset(parts),
+                       options, observed.finish_reason, observed.stop_reason, observed.stop_reason_seen,
+                       observed.completion_tokens, max(len(observed.indexes), 1))
+
+
+def sequence_trace(prompt_ids: list[int] | None, observed: Observed, num_tokens: Any,
+                   block_size: int | None) -> TokenTrace | None:
+    """The token trace of D's sequence (prompt ids then output ids), cut to the tokens D holds KV for."""
+    if prompt_ids is None or observed.output_ids is None or not observed.ids_complete:
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+        return None
+    ids = [*prompt_ids, *observed.output_ids]
+    if len(ids) < num_tokens or not all(isinstance(i, int) and 0 <= i < 1 << 32 for i in ids):
+        return None
+    return token_trace(ids, num_tokens, block_size or 16)
+
+
+def _token_decision(text: Decision, matched: int, prompt_len: int, num_tokens: int, bs: int | None) -> Decision:
+    """Token-exact mode: the proven token prefix decides; the text rule only names the reason."""
+    if matched >= num_tokens and prompt_len > num_tokens:
+        return Decision(Reuse.FULL, num_tokens, rung=text.rung, matched=text.matched,
+                        detail="token-exact: D's whole sequence matches")
+    if bs is None:
+        return Decision(Reuse.NONE, 0, TrimReason.UNVERIFIABLE, "token-exact: D's block size is unknown",
+                        text.rung, text.matched)
+    # P must compute at least one token, and never read past its own prompt.
+    limit = min(matched, num_tokens, prompt_len - 1) // bs * bs
+    text_limit = text.limit_tokens if text.reuse is not Reuse.NONE else 0
+    reason = text.reason if text.reason is not None and limit >= text_limit else TrimReason.TOKEN_MISMATCH
+    detail = f"token-exact: {matched} leading tokens match D's sequence of {num_tokens}"
+    if limit < bs:
+        return Decision(Reuse.NONE, 0, reason, detail + "; less than one block", text.rung, text.matched)
+    if limit >= num_tokens:
+        return Decision(Reuse.FULL, num_tokens, rung=text.rung, matched=text.matched, detail=detail)
+    return Decision(Reuse.TRIMMED, limit, reason, detail, text.rung, text.matched)
