@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from kvdiag.schema.process import run_event_loop
-from kvdiag.sim.config import ConfigError, EngineConfig
+from kvdiag.sim.config import REASONING_FIELDS, REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, EngineConfig
 from kvdiag.sim.faults import POLICIES, FaultError, parse_fail_transfers
 from kvdiag.sim.server import serve
 from kvdiag.sim.timemodel import PROFILES, UnknownProfile, calibrate
@@ -64,6 +64,28 @@ def _engine_options(fn: Any) -> Any:
         click.option("--max-tokens-default", type=int, default=16, show_default=True,
                      help="max_tokens when a request gives none."),
         click.option("--expiry-safety-margin", type=float, default=5.0, show_default=True, hidden=True),
+        click.option("--pull-matching-prefix/--no-pull-matching-prefix", default=True, show_default=True,
+                     help="Exact mode (instrumented P): read only the prefix D's block-hash digest proves equal "
+                          "to the prompt. Off reproduces a stock P (the negative control)."),
+        click.option("--prefix-digest/--no-prefix-digest", default=True, show_default=True,
+                     help="Instrumented D adds kvdiag_digest (its sequence's block hashes) to its params."),
+        click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
+                     help="vLLM's reasoning parser: the trace streams as reasoning deltas instead of <think> "
+                          "text in content."),
+        click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+                     help="vLLM's tool parser: <tool_call> text becomes tool_calls."),
+        click.option("--enable-auto-tool-choice", is_flag=True,
+                     help='Allow tool_choice "auto" (needs --tool-call-parser, as in vLLM).'),
+        click.option("--reasoning-tokens", type=int, default=None, metavar="N",
+                     help="The model thinks: a trace of N words before every reply (default: only when a "
+                          "request's kvdiag_sim hint asks)."),
+        click.option("--tool-call-style", type=click.Choice(("compact", "template")), default="compact",
+                     show_default=True, help="How the model writes tool calls: compact JSON (the template's "
+                                             "re-rendering differs) or exactly the template's text."),
+        click.option("--reasoning-field", type=click.Choice(REASONING_FIELDS), default="reasoning",
+                     show_default=True, help="Name of the trace field (reasoning_content: vLLM before 0.11)."),
+        click.option("--max-model-len", type=int, default=131_072, show_default=True,
+                     help="Longest prompt accepted (tokens); /tokenize reports it."),
         click.option("--engine", type=click.Choice(("emulated", "vllm")), default="emulated", show_default=True,
                      help="vllm: vLLM's real Scheduler + instrumented NixlConnector + real NIXL on CPU "
                           "(needs the vllm extra; `make vllm-env`)."),
@@ -91,7 +113,12 @@ def _run(role: str, opts: dict[str, Any]) -> None:
             profile=opts["profile"], time_scale=opts["time_scale"], mode=opts["mode"], log_file=opts["log_file"],
             log_level=opts["log_level"].upper(), enable_log_requests=opts["enable_log_requests"],
             events_file=opts["events_file"], seed=opts["seed"], default_max_tokens=opts["max_tokens_default"],
-            expiry_safety_margin_s=opts["expiry_safety_margin"], log_stats_interval_s=opts["log_stats_interval"])
+            expiry_safety_margin_s=opts["expiry_safety_margin"], log_stats_interval_s=opts["log_stats_interval"],
+            pull_matching_prefix=opts["pull_matching_prefix"], prefix_digest=opts["prefix_digest"],
+            reasoning_parser=opts["reasoning_parser"], tool_call_parser=opts["tool_call_parser"],
+            enable_auto_tool_choice=opts["enable_auto_tool_choice"], reasoning_tokens=opts["reasoning_tokens"],
+            tool_call_style=opts["tool_call_style"], reasoning_field=opts["reasoning_field"],
+            max_model_len=opts["max_model_len"])
     except (ConfigError, FaultError) as exc:
         raise click.ClickException(f"{exc} (see `kvdiag sim {role} --help`)") from None
     if config.events_file and not config.instrumented:

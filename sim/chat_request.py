@@ -155,7 +155,12 @@ def parse_request(config: EngineConfig, body: Any, kind: str) -> ParsedRequest:
     opts = body.get("stream_options")
     seed = body.get("seed")
     thinking = kwargs.get("enable_thinking") is not False
-    plan = make_plan(hint, tools, thinking_enabled=thinking, default_reasoning=config.reasoning_tokens,
+    # A server with a reasoning parser serves a reasoning model: it always thinks (Qwen3 writes an
+    # empty trace when it has nothing to think about), so the parser never mistakes content for a trace.
+    reasoning = config.reasoning_tokens
+    if reasoning is None and config.reasoning_parser is not None and kind == "chat":
+        reasoning = 0
+    plan = make_plan(hint, tools, thinking_enabled=thinking, default_reasoning=reasoning,
                      default_style=config.tool_call_style)
     setup = ParserSetup(reasoning=kind == "chat" and config.reasoning_parser is not None, thinking=thinking,
                         tools=keep_tools, include_reasoning=_bool(body, "include_reasoning", True),

@@ -155,23 +155,27 @@ def _call_text(use: ToolUse, value: str, style: str) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-def generate(seed: int, prompt: Sequence[int], max_tokens: int, plan: OutputPlan) -> tuple[list[int], str]:
-    """The reply's token ids and its engine finish reason (``stop`` at end-of-sequence, else ``length``)."""
-    if not plan.structured:
-        return generate_reply(seed, prompt, max_tokens), "length"
+def _structured(seed: int, prompt: Sequence[int], plan: OutputPlan, content_n: int) -> list[int]:
     rng = reply_rng(seed, prompt)
     text = think_block(random_words(rng, plan.reasoning_tokens)) if plan.think else ""
-    used = len(tokenize(text))
-    content_n = plan.content_tokens
-    if content_n is None:
-        content_n = 0 if plan.calls else max(1, max_tokens - used - 1)
     content = random_words(rng, content_n)
     text += content
     for j, use in enumerate(plan.calls):
         if j > 0 or content:
             text += "\n"
         text += _call_text(use, random_words(rng, plan.tool_arg_tokens), plan.tool_call_style)
-    ids = [*tokenize(text), IM_END]
+    return [*tokenize(text), IM_END]
+
+
+def generate(seed: int, prompt: Sequence[int], max_tokens: int, plan: OutputPlan) -> tuple[list[int], str]:
+    """The reply's token ids and its engine finish reason (``stop`` at end-of-sequence, else ``length``)."""
+    if not plan.structured:
+        return generate_reply(seed, prompt, max_tokens), "length"
+    if plan.content_tokens is not None or plan.calls:
+        ids = _structured(seed, prompt, plan, plan.content_tokens or 0)
+    else:  # content fills max_tokens exactly (the trace's closing newlines tokenize with the first word)
+        ids = _structured(seed, prompt, plan, 1)
+        ids = _structured(seed, prompt, plan, max(1, 1 + max_tokens - len(ids)))
     if len(ids) > max_tokens:
         return ids[:max_tokens], "length"
     return ids, "stop"

@@ -200,11 +200,9 @@ class ParsedMessage:
 
 
 def count_reasoning_tokens(ids: Sequence[int]) -> int:
-    """Tokens inside the think block (usage.completion_tokens_details.reasoning_tokens)."""
-    if THINK_END not in ids:
-        return sum(1 for t in ids if t not in (THINK_START, IM_END))
-    end = list(ids).index(THINK_END)
-    return sum(1 for t in ids[:end] if t != THINK_START)
+    """Tokens of the trace, up to ``</think>`` or a tool call (usage.completion_tokens_details.reasoning_tokens)."""
+    end = next((i for i, t in enumerate(ids) if t in (THINK_END, TOOL_CALL_START)), len(ids))
+    return sum(1 for t in ids[:end] if t not in (THINK_START, IM_END))
 
 
 def parse_full(setup: ParserSetup, ids: Sequence[int]) -> ParsedMessage:
@@ -215,9 +213,13 @@ def parse_full(setup: ParserSetup, ids: Sequence[int]) -> ParsedMessage:
     reasoning_tokens = 0
     if setup.reasoning and setup.thinking:
         reasoning_tokens = count_reasoning_tokens(ids)
-        if "</think>" in text:
-            head, _, tail = text.partition("</think>")
+        end = text.find("</think>")
+        call = text.find(TOOL_START) if setup.tools else -1
+        if end >= 0 and (call < 0 or end < call):
+            head, tail = text[:end], text[end + len("</think>"):]
             reasoning, content = head.split("<think>")[-1], tail or None
+        elif call >= 0:  # a tool call ends the trace implicitly
+            reasoning, content = text[:call].split("<think>")[-1] or None, text[call:]
         else:
             reasoning, content = text.split("<think>")[-1], None
     calls: list[dict[str, Any]] = []
