@@ -254,13 +254,14 @@ class EngineProbe:
                                            self._decode_body(conv, p1_params, True, self.reply_tokens),
                                            headers={"X-Request-Id": conv.request_id("t1-d")})
         if d1.status != 200 or d1.error is not None or not d1.content:
-            why = f"HTTP {d1.status}: {d1.error_body[:200]}" if d1.status != 200 else (d1.error or "an empty reply")
-            self.findings.add("pd_handoff", Status.FAIL, f"D's decode with P's params failed: {why}",
+            self.findings.add("pd_handoff", Status.FAIL, f"D's decode with P's params failed: {_stream_failure(d1)}",
                               "check D's log; P and D need the same model, block size and a NIXL path between them")
+            await self._decode_block_list(conv)
             return
         self.findings.add("pd_handoff", Status.PASS, f"P prefilled, D decoded a {len(d1.content)}-character reply")
         d_params, reply, received = await self._streamed_params(conv, d1)
         if d_params is None:
+            await self._decode_block_list(conv)
             return
         self._observe("D", d_params)
         await self._measure_ttl(d_params, received)
@@ -309,6 +310,18 @@ class EngineProbe:
         for later in ("bidirectional_prefill", "d2p_read", "decode_ttl"):
             self.findings.skip(later, "blocked: D returned no blocks to read")
         return None
+
+    async def _decode_block_list(self, conv: Conversation) -> None:
+        """D's block list when D returned none: D prefills one prompt as P would (its blocks expire with the lease)."""
+        if self.facts.d_blocks:
+            return
+        body = {"model": self.facts.model, "messages": conv.messages[:1], "max_tokens": 1, "stream": False,
+                "kv_transfer_params": dict(MISS_PARAMS)}
+        reply = await self.client.post_json("decode", self.d + CHAT, body,
+                                            headers={"X-Request-Id": conv.request_id("blocks-d")})
+        params = reply.body.get("kv_transfer_params") if isinstance(reply.body, dict) else None
+        if reply.status == 200 and isinstance(params, dict):
+            self._observe("D", params)
 
     def _observe(self, who: str, params: dict[str, Any]) -> None:
         obs = handle_observation(params)
@@ -407,8 +420,9 @@ class EngineProbe:
         if agree is False:
             self.findings.add("block_size", Status.FAIL,
                               f"P uses {p_range.describe()}-token blocks, D {d_range.describe()}-token blocks: "
-                              "P would read D's blocks at the wrong token positions",
+                              "KV moved between them lands at the wrong token positions (or the transfer fails)",
                               "start P and D with the same --block-size", evidence)
+            self.findings.annotate("pd_handoff", "likely cause: the block sizes differ (block_size)")
         elif agree is None:
             self.findings.add("block_size", Status.UNKNOWN,
                               f"cannot tell: P's blocks fit {p_range.describe()} tokens, D's {d_range.describe()}",
@@ -568,6 +582,16 @@ class ReadJudge:
             "let P reach D's NIXL side channel (remote_host/remote_port in D's params; "
             "VLLM_NIXL_SIDE_CHANNEL_HOST), keep NIXL backends alike on P and D, and clear router state after D "
             "restarts", ev)
+
+
+def _stream_failure(reply: StreamReply) -> str:
+    if reply.status != 200:
+        return f"HTTP {reply.status}: {reply.error_body[:200]}"
+    if reply.error is not None:
+        return reply.error
+    if reply.finish_reason == "error":
+        return "the request ended with finish_reason error before any text: D could not load P's KV"
+    return f"an empty reply (finish_reason {reply.finish_reason})"
 
 
 def _short(value: Any) -> str:

@@ -153,6 +153,12 @@ class Findings:
         self._by_id[check_id] = keep
         return keep
 
+    def annotate(self, check_id: str, note: str) -> None:
+        """Append ``note`` to a failed or warned finding's detail (a cause found later)."""
+        found = self._by_id.get(check_id)
+        if found is not None and found.status in (Status.FAIL, Status.WARN) and note not in found.detail:
+            found.detail = f"{found.detail} ({note})"
+
     def status(self, check_id: str) -> Status | None:
         """The recorded status of ``check_id`` (None if not recorded yet)."""
         found = self._by_id.get(check_id)

@@ -165,9 +165,11 @@ class RouterProbe:
             self.scrape = after or self.scrape
             if reply.status != 200 or reply.error is not None or not reply.content:
                 why = f"HTTP {reply.status} {reply.error_body[:160]}" if reply.status != 200 else (
-                    reply.error or "an empty reply")
-                self.findings.add("router_state", Status.FAIL, f"turn {number} through the router failed: {why}",
+                    reply.error or f"no text (finish_reason {reply.finish_reason})")
+                self.findings.add("pd_handoff", Status.FAIL, f"turn {number} through the router failed: {why}",
                                   "check the router's log and its P/D upstreams", [turn.describe()])
+                for check_id in ("conversation_id", "router_state", "request_ids"):
+                    self.findings.skip(check_id, f"blocked: turn {number} through the router failed")
                 return
             conv.extend(reply.content)
         p_after = await self._p_scrape()

@@ -74,7 +74,9 @@ SCENARIOS: list[tuple[str, dict[str, Any], set[str], str]] = [
     ("D's TTL 5 s (never works)", {"d": {"decoder_kv_blocks_ttl": 5.0},
                                    "router": {"decoder_kv_blocks_ttl": 5.0, "entry_ttl": 2.0}},
      {"decode_ttl", "d2p_read", "router_ttl"}, "not above P's 5 s expiry margin"),
-    ("P 32-token blocks, D 16", {"p": {"block_size": 32}}, {"block_size"}, "P uses 32-token blocks, D 16"),
+    # D cannot load P's 32-token blocks into its 16-token layout: the handoff fails too, and says why.
+    ("P 32-token blocks, D 16", {"p": {"block_size": 32}}, {"block_size", "pd_handoff"},
+     "P uses 32-token blocks, D 16"),
     ("P and D serve different models", {"p": {"model": "org/model-a"}}, {"models"}, "no model in common"),
     ("P's NIXL reads fail (handshake)", {"p": {"fail_transfers": {"handshake_failed": 1.0}}}, {"d2p_read"},
      "NIXL read from D failed"),
@@ -93,6 +95,8 @@ async def test_each_misconfiguration_is_named(name: str, switches: dict[str, Any
     assert phrase in details
     assert all(report.get(c).fix for c in expected)  # type: ignore[union-attr]
     assert report.exit_code() == EXIT_FAILED
+    if "pd_handoff" in expected:
+        assert "block sizes differ" in report.get("pd_handoff").detail  # type: ignore[union-attr]
 
 
 async def test_a_gateway_dropping_the_conversation_id_is_named() -> None:
