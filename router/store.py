@@ -73,7 +73,9 @@ def coverage_to_obj(c: Coverage | None) -> Any:
     if c is None:
         return None
     r = c.reply
-    reply = None if r is None else [r.content_sha256, r.content_bytes, sorted(r.parts), sorted(r.options),
+    # str(): plain strings (the enum members' values), which marshal and JSON both take.
+    reply = None if r is None else [r.content_sha256, r.content_bytes, sorted(map(str, r.parts)),
+                                    sorted(map(str, r.options)),
                                     r.finish_reason, r.stop_reason, r.stop_reason_seen, r.completion_tokens, r.choices]
     tokens = None if c.tokens is None else [c.tokens.step, c.tokens.count,
                                             base64.b64encode(c.tokens.checkpoints).decode()]
@@ -275,7 +277,11 @@ class MemoryStore:
 
     def put_handle(self, key: str, handle: Handle) -> None:
         """Store ``handle`` for ``key``, evicting the least recently stored handle beyond capacity."""
-        self._handles[key] = (handle.stored_at, _pack_handle(handle))
+        try:
+            packed = _pack_handle(handle)
+        except ValueError as exc:  # params that are not JSON-like builtins
+            raise StoreError(f"cannot store the handle: {exc}") from None
+        self._handles[key] = (handle.stored_at, packed)
         self._handles.move_to_end(key)
         if len(self._handles) > self.capacity:
             self._handles.popitem(last=False)
