@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvdiag.diagnostics.explain import (
     ConversationNotFoundError,
@@ -37,15 +38,16 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 
 def _turn_table(conv: ConversationRecord) -> Table:
-    table = Table(title=f"conversation {conv.conversation_id}", show_lines=False)
+    table = Table(title=Text(f"conversation {conv.conversation_id}"), show_lines=False)
     for col in ("turn", "start", "TTFT ms", "prompt", "local", "remote", "bytes", "xfer ms", "verdict",
                 "reason", "fix"):
         table.add_column(col, overflow="fold")
     for t in conv.turns:
+        # Text, not markup: reasons quote log lines, and "[id]" would be read as a style tag.
         table.add_row(str(t.turn), _start(t.start_ts), _fmt(t.ttft_ms, ".1f"), _fmt(t.prompt_tokens),
                       _fmt(t.local_hit_tokens), _fmt(t.remote_tokens), _fmt(t.transfer_bytes),
-                      _fmt(t.transfer_ms, ".1f"), f"{t.verdict.value} ({t.confidence.value})", t.reason,
-                      t.fix)
+                      _fmt(t.transfer_ms, ".1f"), f"{t.verdict.value} ({t.confidence.value})", Text(t.reason),
+                      Text(t.fix))
     return table
 
 
@@ -135,7 +137,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
             return
         out.print(_turn_table(conv))
         if conv.missing_sources:
-            out.print(f"missing log sources: {', '.join(conv.missing_sources)}")
+            out.print(Text(f"missing log sources: {', '.join(conv.missing_sources)}"))
         return
     counts = Counter(t.verdict.value for c in convs for t in c.turns)
     if as_json:
@@ -152,7 +154,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
     for col in ("conversation", "turns", "verdicts"):
         table.add_column(col, overflow="fold")
     for c in convs:
-        table.add_row(c.conversation_id, str(len(c.turns)),
+        table.add_row(Text(c.conversation_id), str(len(c.turns)),
                       " ".join(f"{t.turn}:{t.verdict.value}" for t in c.turns))
     out.print(table)
 

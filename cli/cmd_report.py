@@ -11,8 +11,10 @@ from pathlib import Path
 import click
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvdiag.diagnostics.advise import Advice, advise
 from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
@@ -79,7 +81,7 @@ def _rich_table(title: str, df: pd.DataFrame) -> Table:
     for c in df.columns:
         table.add_column(str(c), justify="right")
     for idx, *values in df.itertuples(index=True, name=None):
-        table.add_row(str(idx), *[_cell(v) for v in values])
+        table.add_row(Text(str(idx)), *[Text(_cell(v)) for v in values])
     return table
 
 
@@ -136,22 +138,24 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
                   f"expired ratio {_cell(g.expired_ratio)}; missing-metadata ratio {_cell(g.missing_metadata_ratio)}")
     with _writing():
         for path in write_outputs(rep, csv=csv_path, parquet_path=parquet_path, json_path=json_path):
-            console.print(f"wrote {path}")
+            console.print(Text(f"wrote {path}"))
         if html_path is not None:
-            console.print(f"wrote {write_html_report(df, html_path, decoder_ttl=ttl)}")
+            console.print(Text(f"wrote {write_html_report(df, html_path, decoder_ttl=ttl)}"))
 
 
 def _print_advice(adv: Advice) -> None:
     console = _console()
     console.print("[bold]Decode TTL[/]")
-    console.print(adv.ttl.summary)
+    console.print(Text(adv.ttl.summary))
     console.print("[bold]kv_recompute_threshold[/]")
-    console.print(adv.threshold.summary)
+    console.print(Text(adv.threshold.summary))
     console.print("[bold]Configuration checks[/]")
     styles = {"ok": "green", "warning": "yellow", "error": "red", "missing_data": "dim", "info": "cyan"}
     for c in adv.checks:
         fix = f"  fix: {c.fix}" if c.fix and c.severity != "ok" else ""
-        console.print(f"[{styles[c.severity]}]{c.severity:>12}[/] {c.id}: {c.message}{fix}", highlight=False)
+        # messages quote log lines and config keys: escaped, so "[...]" is printed, not read as markup
+        console.print(f"[{styles[c.severity]}]{c.severity:>12}[/] {escape(f'{c.id}: {c.message}{fix}')}",
+                      highlight=False)
 
 
 @click.command("advise")

@@ -8,7 +8,7 @@ the answer is ``unknown`` naming the source that would. A wrong ``confirmed`` ve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvdiag.diagnostics.correlate import LogIndex, ProxyRequest, TurnFacts
@@ -16,6 +16,7 @@ from kvdiag.diagnostics.json_logs import ClientStat, EventRecord
 from kvdiag.diagnostics.proxy_log import ProxyRecord
 from kvdiag.diagnostics.records import Evidence, TurnRecord
 from kvdiag.diagnostics.vllm_log import VllmRecord
+from kvdiag.diagnostics.windows import Ledger
 from kvdiag.schema.events import TurnEvent
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 
@@ -23,6 +24,7 @@ CONFIRMED = Confidence.CONFIRMED
 INFERRED = Confidence.INFERRED
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_DECODE_TTL_S = 480
+TOKEN_MARGIN = 16  # the benchmark counts message content only; a re-tokenized reply may differ a little
 FAILED_STATUSES = ("error", "aborted", "disconnected", "timeout", "hung")
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
 _EVENT_NUMBERS = ("ttft_ms", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
@@ -44,6 +46,9 @@ class Context:
     decode_ttl_s: float | None = None
     router_ttl_s: float | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
+    threshold: int | None = None  # P's kv_recompute_threshold (its startup line)
+    windows: Ledger | None = None  # P's stats windows against the offered reads (INFO-level evidence)
+    window_wanted: set[str] = field(default_factory=set)  # requests a window would decide
 
     @classmethod
     def from_index(cls, index: LogIndex) -> Context:
@@ -63,6 +68,7 @@ class Context:
             if rec.kind == "bidir_enabled":
                 if role == "prefill":
                     ctx.p_bidir = True
+                    ctx.threshold = int(rec.fields["threshold"])
                 elif role == "decode":
                     ctx.d_bidir = True
                     if rec.fields.get("ttl_s") is not None:
@@ -131,20 +137,31 @@ class _Turn:
             if e.status is not None and (r.status is None or e.status != "ok"):
                 r.status = e.status
         for cev in f.client_events:
-            if cev.event.ttft_ms is not None:
-                r.ttft_ms = cev.event.ttft_ms  # the client's TTFT is the one users feel
             if cev.event.status is not None:
-                r.status = cev.event.status  # likewise its status: a retried P attempt is no failed turn
+                r.status = cev.event.status  # the client's status: a retried P attempt is no failed turn
+        # What the user saw comes from the client first, whatever else is present (docs/verdicts.md):
+        # its events, then its statistics, then the router and P. So the id setting, which decides
+        # whether router events join, never switches the source of a turn's TTFT or prompt bucket.
+        s = f.client_stat
+        client = [e.event for e in f.client_events]
+        for name, stat_value in (("ttft_ms", s.ttft_ms if s else None),
+                                 ("prompt_tokens", s.input_num_tokens if s else None),
+                                 ("completion_tokens", s.output_num_tokens if s else None),
+                                 ("latency_ms", s.latency_ms if s else None)):
+            event_name = "duration_ms" if name == "latency_ms" else name
+            value = next((v for v in (e.__dict__[event_name] for e in client) if v is not None), None)
+            value = value if value is not None else stat_value
+            if value is not None:
+                mine[name] = value
+        # vLLM's benchmark takes start_time_ms from time.perf_counter_ns() (time since boot): only an epoch
+        # value is a date. Else the proxy's arrival line dates the turn; the benchmark's own clock still
+        # orders the turns and measures the gaps between them.
+        if r.start_ts is None and s is not None:
+            r.start_ts = s.start_ts
+        if r.start_ts is None and f.proxy is not None:
+            r.start_ts = f.proxy.start_ts
         if r.start_ts is not None and r.latency_ms is not None:
             r.end_ts = r.start_ts + r.latency_ms / 1000.0
-        s = f.client_stat
-        if s is not None:
-            r.ttft_ms = r.ttft_ms if r.ttft_ms is not None else s.ttft_ms
-            r.prompt_tokens = r.prompt_tokens if r.prompt_tokens is not None else s.input_num_tokens
-            r.completion_tokens = r.completion_tokens if r.completion_tokens is not None else s.output_num_tokens
-            r.latency_ms = r.latency_ms if r.latency_ms is not None else s.latency_ms
-            if r.start_ts is None and s.start_time_ms is not None:
-                r.start_ts = s.start_time_ms / 1000.0
         if f.proxy is not None:
             for line in f.proxy.lines:
                 if line.kind == "prefill_done" and r.prefill_ms is None:
@@ -241,7 +258,20 @@ def proxy_failure(kind: str, detail: str | None) -> str | None:
 
 
 def _answered(facts: TurnFacts) -> bool:
-    return any(ev.event.status == "ok" for ev in facts.client_events)
+    """The client got its answer: its own event says so, or (stock logs) a proof the reply completed.
+
+    vLLM's benchmark writes a RequestStats record only for a valid response, and the proxy stores
+    D's handle only from the final chunk of a reply D finished normally.
+    """
+    if facts.client_events:
+        return any(ev.event.status == "ok" for ev in facts.client_events)
+    return facts.client_stat is not None or (facts.proxy is not None and facts.proxy.stored is not None)
+
+
+def _answer_proof(facts: TurnFacts) -> Located | None:
+    if facts.client_events:
+        return next((ev for ev in facts.client_events if ev.event.status == "ok"), None)
+    return facts.client_stat or (facts.proxy.stored if facts.proxy is not None else None)
 
 
 def _with_failure(reason: str, facts: TurnFacts, builder: _Turn) -> str:
@@ -251,7 +281,12 @@ def _with_failure(reason: str, facts: TurnFacts, builder: _Turn) -> str:
         if retried is None or not _answered(facts):
             return reason
         builder.rec.evidence.append(_ev(retried))
-        return retried_reason(reason)
+        if facts.client_events or facts.router_events:
+            return retried_reason(reason)
+        proof = _answer_proof(facts)
+        if proof is not None:
+            builder.rec.evidence.append(_ev(proof))
+        return answered_reason(reason)
     if line is not None:
         builder.rec.evidence.append(_ev(line))
     return f"{reason.rstrip('.')}; the turn failed ({why})"
@@ -262,6 +297,16 @@ def retried_reason(reason: str) -> str:
     retry = "" if "retried without the handle" in reason else " after a retry without the handle"
     return (f"{reason.rstrip('.')}; P failed that attempt on KV load failure (failure_policy=fail), yet the "
             f"client got its answer{retry}")
+
+
+def answered_reason(reason: str) -> str:
+    """The reason of a turn P failed on a KV load failure that the client still got (stock logs).
+
+    A stock proxy given no kv_transfer_params by P goes on to D with the request as it was, D's own
+    handle from the previous turn included, and D computes the prompt itself.
+    """
+    return (f"{reason.rstrip('.')}; P failed that prefill on KV load failure (failure_policy=fail), yet the "
+            "client got its answer: the decode leg went ahead without P's KV")
 
 
 # A fix per missing-metadata cause named in the reason (first match wins: a failed turn may say "aborted").
@@ -365,7 +410,7 @@ def _stock(facts: TurnFacts, earlier: list[TurnFacts], ctx: Context, b: _Turn) -
         return b.set(Verdict.ROUTER_ENTRY_EXPIRED, CONFIRMED, _with_failure(
             f"router entry age {head.fields['age']} s > ttl {head.fields['ttl']} s: discarded", facts, b), head)
     if proxy is not None and proxy.lookup == "hit":
-        return _handle_offered(facts, ctx, b)
+        return _handle_offered(facts, prev, ctx, b)
     first = facts.turn == 1 and (prev is None) and (
         proxy is not None or (facts.client_stat is not None and (facts.client_stat.input_num_turns or 1) <= 2))
     failed_why, failed_line = _failed(facts)
@@ -376,7 +421,8 @@ def _stock(facts: TurnFacts, earlier: list[TurnFacts], ctx: Context, b: _Turn) -
             return b.set(Verdict.REQUEST_FAILED, INFERRED, "turn 1 failed: the proxy logged no 'Prefill done' "
                          "for it (the prefill leg failed)", *(proxy.lines[:1] if proxy else []))
         # The client's message count proves turn 1; the proxy's order only suggests it (rotated logs).
-        conf = CONFIRMED if facts.client_stat is not None and facts.client_stat.input_num_turns is not None \
+        stat = facts.client_stat
+        conf = CONFIRMED if stat is not None and stat.input_num_turns is not None and stat.input_num_turns <= 2 \
             else INFERRED
         return b.set(Verdict.FIRST_TURN, conf, "first turn of the conversation: nothing to retrieve yet",
                      *(proxy.lines[:1] if proxy else []), facts.client_stat)
@@ -411,7 +457,7 @@ def miss_line(proxy: ProxyRequest) -> ProxyRecord:
     return next((ln for ln in proxy.lines if ln.kind in ("miss", "no_handle")), proxy.lines[-1])
 
 
-def _handle_offered(facts: TurnFacts, ctx: Context, b: _Turn) -> TurnRecord:
+def _handle_offered(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn) -> TurnRecord:
     """The router handed D's params to P: P's log decides (Contract 4 rules 1–7)."""
     assert facts.proxy is not None
     sent = facts.proxy.lines[-1] if facts.proxy.lines else None
@@ -465,6 +511,13 @@ def _handle_offered(facts: TurnFacts, ctx: Context, b: _Turn) -> TurnRecord:
     if start is not None and int(start.fields["local_blocks"]) > 0:
         return b.set(Verdict.REMOTE_HIT, CONFIRMED, _with_failure(
             f"P started the D→P read of {start.fields['remote_blocks']} block group(s)", facts, b), sent, start)
+    if start is not None:
+        # vLLM hands the worker a request with no local block to fill when P's prefix cache already
+        # holds every token the handle covers (a skip under the threshold logs its own line, above):
+        # the worker only tells D to release its blocks.
+        return b.set(Verdict.LOCAL_HIT, CONFIRMED, _with_failure(
+            "P's prefix cache already held every token of D's handle: P's read had no block to fill "
+            "(start_load_kv with 0 local blocks) and only told D to release its blocks", facts, b), sent, start)
     if ctx.p_bidir is False and ctx.d_bidir:
         return b.set(Verdict.FEATURE_DISABLED_ON_PREFILL, INFERRED,
                      "D logs 'Bidirectional KV transfer is enabled' but P does not: P ignored D's handle", sent)
@@ -483,11 +536,70 @@ def _handle_offered(facts: TurnFacts, ctx: Context, b: _Turn) -> TurnRecord:
     if _prefill_leg_failed(facts.proxy):
         return b.set(Verdict.REQUEST_FAILED, INFERRED, "the proxy logged no 'Prefill done' for it and P logged "
                      "no D→P decline or failure: the prefill leg failed for another reason", sent)
+    decided = _by_windows(facts, prev, ctx, b, sent)
+    if decided is not None:
+        return decided
     tail = ("; the proxy stored no handle after it, so the turn may have failed downstream (vLLM logs request "
             "failures only with --enable-log-requests)" if facts.proxy.stored is None else "")
+    found = ctx.windows.finding(facts.proxy.rid) if ctx.windows is not None else None
+    windows = f"; {found.why}" if found is not None else ""
     return b.set(Verdict.UNKNOWN, INFERRED, "the proxy offered D's handle and P logged no failure: remote_hit, "
-                 "local_hit or below_threshold; stock vLLM logs nothing for these at INFO — run P at "
-                 f"VLLM_LOGGING_LEVEL=DEBUG or add prefill events to decide{tail}", sent)
+                 f"local_hit or below_threshold{windows}. Stock vLLM logs nothing per request for these at INFO — "
+                 f"run P at VLLM_LOGGING_LEVEL=DEBUG or add prefill events to decide{tail}", sent,
+                 *(w.evidence for w in (found.windows[:2] if found is not None else ())))
+
+
+def _by_windows(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn, sent: Located | None
+                ) -> TurnRecord | None:
+    """P at INFO: what P's stats windows and the token counts prove about this turn's read (docs/verdicts.md)."""
+    assert facts.proxy is not None
+    rid = facts.proxy.rid
+    if ctx.windows is None:
+        ctx.window_wanted.add(rid)  # explain reads the stats windows and classifies again
+        return None
+    found = ctx.windows.finding(rid)
+    if found is None:
+        return None
+    lines = [w.evidence for w in found.windows[:3]]
+    if found.read:
+        return b.set(Verdict.REMOTE_HIT, INFERRED, _with_failure(found.why, facts, b), sent, *lines)
+    if ctx.p_bidir is not True or found.prefix_caching is not False:
+        # P may have ignored the handle (its startup line would say), or held it all locally: DEBUG decides
+        return None
+    # Without prefix caching nothing is held locally: P pulls min(D's tokens, the prompt) unless that is
+    # below kv_recompute_threshold, and logs every read it starts and does not finish.
+    low, thr = _remainder_floor(facts, prev), ctx.threshold
+    must_read = low is not None and thr is not None and low >= thr + TOKEN_MARGIN
+    caching = ctx.windows.caching_line
+    if found.read is False and not must_read:
+        t = f" {thr}" if thr is not None else ""
+        return b.set(Verdict.BELOW_THRESHOLD, INFERRED, _with_failure(
+            f"{found.why}; P runs without prefix caching, so nothing was held locally: the remainder was below "
+            f"kv_recompute_threshold{t} and P recomputed it", facts, b), sent, *lines, caching)
+    recovered = ctx.windows.recovered_near(rid)
+    done = any(ln.kind == "prefill_done" for ln in facts.proxy.lines)
+    if found.read is None and must_read and done and recovered is None:
+        return b.set(Verdict.REMOTE_HIT, INFERRED, _with_failure(
+            f"P runs without prefix caching, so it had to pull all of D's tokens the prompt repeats, at least {low} "
+            f"by the client's counts, which is not below kv_recompute_threshold {thr}; P logged no decline, failure "
+            "or recovery for the read and answered the prefill: the read succeeded", facts, b),
+            sent, caching, prev.client_stat if prev is not None else None, facts.client_stat)
+    return None
+
+
+def _remainder_floor(facts: TurnFacts, earlier: TurnFacts | None) -> int | None:
+    """A lower bound of D's tokens P could pull with nothing held locally, from the benchmark's counts.
+
+    D's handle covers the previous prompt and reply (``input_num_tokens`` and ``output_num_tokens`` of
+    the previous record count message content only, so they bound it from below); P pulls at most
+    the new prompt, of which the content alone is ``input_num_tokens``.
+    """
+    prev, cur = (earlier.client_stat if earlier is not None else None), facts.client_stat
+    if prev is None or cur is None or None in (prev.input_num_tokens, prev.output_num_tokens, cur.input_num_tokens):
+        return None
+    # message boundaries tokenize a little differently inside a chat template: a token or two each
+    slack = 2 * (cur.input_num_turns or 1)
+    return min((prev.input_num_tokens or 0) + (prev.output_num_tokens or 0) - 1, cur.input_num_tokens or 0) - slack
 
 
 def _no_handle(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn) -> TurnRecord:
@@ -495,6 +607,17 @@ def _no_handle(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn)
     assert facts.proxy is not None
     miss = facts.proxy.lines[-1]
     miss = next((ln for ln in facts.proxy.lines if ln.kind in ("miss", "no_handle")), miss)
+    # Later revisions of the example proxy check the history themselves and say when they hold a handle back.
+    if facts.proxy.withheld is not None:
+        why = facts.proxy.withheld.fields.get("why") or "history changed"
+        return b.set(Verdict.PREFIX_MISMATCH, CONFIRMED, _with_failure(
+            f"the proxy held D's handle back: {why} (the new prompt does not extend what D's blocks hold)",
+            facts, b), facts.proxy.withheld, miss)
+    if prev is not None and prev.proxy is not None and prev.proxy.not_stored is not None:
+        line = prev.proxy.not_stored
+        why = (line.fields.get("why") or "").strip().removeprefix("because ").strip() or "no reason given"
+        return b.set(Verdict.PREFIX_MISMATCH, CONFIRMED, _with_failure(
+            f"the proxy did not keep turn {prev.turn}'s handle ({why}), so it offered none", facts, b), line, miss)
     if facts.concurrent and prev is not None:
         return b.set(Verdict.CONCURRENT_TURN, INFERRED, _with_failure(
             f"turn {prev.turn} was still in flight (its D handle was stored after this request arrived)", facts, b),

@@ -15,7 +15,7 @@ from typing import Final
 
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.proxy_log import ProxyRecord
+from kvdiag.diagnostics.proxy_log import ProxyRecord, wall_clock
 from kvdiag.diagnostics.vllm_log import VllmRecord, header_request_id
 
 HASH_PREFIX_LENGTHS: Final = (12, 16, 64)
@@ -65,6 +65,13 @@ class ProxyRequest:
     offered_remote_id: str | None = None
     stored: ProxyRecord | None = None  # "cached D blocks" after this request
     stored_seq: int | None = None
+    not_stored: ProxyRecord | None = None  # "not caching D blocks because ..." after this request
+    withheld: ProxyRecord | None = None  # "cache MISS (request history changed)": a handle held back
+
+    @property
+    def start_ts(self) -> float | None:
+        """The proxy's wall clock when the request arrived (its first line)."""
+        return wall_clock(self.lines[0].ts) if self.lines else None
 
 
 @dataclass
@@ -115,6 +122,7 @@ def _proxy_requests(index: LogIndex, tag_to_conv: dict[str, str]
     pending: dict[str, ProxyRecord] = {}  # conv -> hit/stale line waiting for its "[rid] conv=" line
     restarts: list[tuple[int, ProxyRecord]] = []
     no_conv: list[str] = []
+    last: dict[str, ProxyRequest] = {}  # conv -> its latest request
     for seq, rec in enumerate(index.proxy):
         conv = rec.fields.get("conv")
         conv = tag_to_conv.get(conv, conv) if conv is not None else None
@@ -122,8 +130,14 @@ def _proxy_requests(index: LogIndex, tag_to_conv: dict[str, str]
         if rec.kind == "ready":
             restarts.append((seq, rec))
             continue
-        if rec.kind in ("hit", "stale") and conv is not None:
+        if rec.kind in ("hit", "stale", "miss_head") and conv is not None:
             pending[conv] = rec
+            continue
+        if rec.kind == "not_cached":
+            target = requests.get(rid) if rid is not None else last.get(conv) if conv is not None else None
+            if target is not None:
+                target.not_stored = rec
+                target.lines.append(rec)
             continue
         if rec.kind == "cached":
             rid = header_request_id(rec.fields["remote"])
@@ -146,10 +160,16 @@ def _proxy_requests(index: LogIndex, tag_to_conv: dict[str, str]
             head = pending.pop(conv, None) if conv is not None else None
             if head is not None:
                 req.lines.insert(0, head)
+            if conv is not None:
+                last[conv] = req
             if rec.kind == "sending":
                 req.lookup, req.offered_remote_id = "hit", rec.fields.get("remote")
             else:
                 req.lookup = "stale" if head is not None and head.kind == "stale" else rec.kind
+                why = [ln for ln in (head, rec) if ln is not None and ln.kind in ("miss", "miss_head")
+                       and ln.fields.get("why")]
+                if why:
+                    req.withheld = why[0]
     return requests, restarts, no_conv
 
 
@@ -159,6 +179,19 @@ def _stat_turns(stats: list[ClientStat]) -> list[tuple[int, ClientStat]]:
         return [(s.turn or 0, s) for s in stats]
     ordered = sorted(stats, key=lambda s: (s.input_num_turns or 0, s.start_time_ms or 0.0, s.lineno))
     return [(i, s) for i, s in enumerate(ordered, start=1)]
+
+
+def user_turn(stat: ClientStat) -> int | None:
+    """The turn a benchmark record measured, from the messages it sent (user, assistant, ..., user)."""
+    n = stat.input_num_turns
+    return (n + 1) // 2 if n is not None and n >= 1 else None
+
+
+def _first_measured_turn(numbered: list[tuple[int, ClientStat]]) -> int:
+    if not numbered or numbered[0][1].turn is not None:
+        return 1
+    first = user_turn(numbered[0][1])
+    return first if first is not None else 1
 
 
 def correlate(index: LogIndex, only: str | None = None) -> list[Conversation]:
@@ -250,11 +283,16 @@ def correlate(index: LogIndex, only: str | None = None) -> list[Conversation]:
         # Requests the router/proxy already placed, in order; the k-th record (by messages sent, then
         # start) is the k-th request. A duplicate sent twice is two requests with one turn number.
         placed = sorted((f for f in convs[conv].values() if f.client_stat is None), key=_request_order)
-        for i, (turn, stat) in enumerate(_stat_turns(stats)):
+        numbered = _stat_turns(stats)
+        # The benchmark records only answered requests, from its first measured turn on: with
+        # --warmup-step turn 1 went through the proxy unmeasured. The first record's message count
+        # says which request it is.
+        skip = _first_measured_turn(numbered) - 1 if len(placed) > len(numbered) else 0
+        for i, (turn, stat) in enumerate(numbered):
             if stat.request_id and stat.request_id in by_rid:
                 by_rid[stat.request_id].client_stat = stat
-            elif stat.turn is None and i < len(placed):
-                placed[i].client_stat = stat
+            elif stat.turn is None and i + skip < len(placed):
+                placed[i + skip].client_stat = stat
             else:
                 same = next((f for (t, _), f in sorted(convs[conv].items()) if t == turn and f.client_stat is None),
                             None)

@@ -51,6 +51,11 @@ def _rotation_key(path: str) -> tuple[str, int]:
     return (os.path.join(os.path.dirname(path), base), -n)
 
 
+def rotation_base(path: str) -> str:
+    """The log a rotated file belongs to (``prefill.log.2.gz`` -> ``prefill.log``, same folder)."""
+    return _rotation_key(path)[0]
+
+
 def expand_paths(paths: Iterable[str]) -> list[str]:
     """Expand globs and folders (recursively) into files; raise LogReadError naming a missing input."""
     out: list[str] = []
@@ -82,8 +87,7 @@ def role_hint(path: str) -> str | None:
 def sniff_format(head: bytes) -> str:
     """The format of a file from its first bytes: events, client_stats, proxy, vllm or unknown."""
     text = head.decode("utf-8", errors="replace")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
+    if _is_json_array(text):
         return "client_stats"
     votes = dict.fromkeys(FORMATS, 0)
     for line in text.splitlines()[:50]:
@@ -105,6 +109,27 @@ def sniff_format(head: bytes) -> str:
             votes["vllm"] += 1
     best = max(FORMATS[:-1], key=lambda f: votes[f])
     return best if votes[best] else "unknown"
+
+
+def _is_json_array(text: str) -> bool:
+    """True when the text opens a JSON array of objects (``--stats-json-output``), by content.
+
+    A leading ``[`` alone proves nothing: console output starts with ``[transformers] ...`` too.
+    """
+    stripped = text.lstrip()
+    if not stripped.startswith("["):
+        return False
+    body = stripped[1:].lstrip()
+    if body.startswith("]"):
+        return True
+    if not body.startswith("{"):
+        return False
+    try:
+        first, _ = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError:
+        # an element longer than the sniffed head is cut: a quoted key still says JSON
+        return re.match(r'\{\s*"', body) is not None
+    return isinstance(first, dict)
 
 
 def detect(paths: Iterable[str]) -> list[LogFile]:

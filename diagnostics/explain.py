@@ -28,8 +28,9 @@ from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_doc
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log import parse_proxy_numbered
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, read_all_lines
+from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, head_lines, read_all_lines
 from kvdiag.diagnostics.vllm_log import header_request_id, parse_vllm_numbered
+from kvdiag.diagnostics.window_load import ledger_for_conversation, ledger_for_index
 from kvdiag.schema.verdicts import VERDICT_INFO, Verdict
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
@@ -202,7 +203,15 @@ def load_turns(paths: Iterable[str], progress: ProgressFn | None = None, *,
         if stats is not None:
             stats.merge(index.stats)
         ctx = Context.from_index(index)
-        convs = [classify(c, index, ctx) for c in correlate(index)]
+        joined = correlate(index)
+        convs = [classify(c, index, ctx) for c in joined]
+        if ctx.window_wanted:  # turns only P's stats windows can decide: read them, classify those again
+            wanted = set(ctx.window_wanted)
+            ctx.windows = ledger_for_index(index)
+            if ctx.windows is not None:
+                for i, conv in enumerate(joined):
+                    if any(t.proxy is not None and t.proxy.rid in wanted for t in conv.turns):
+                        convs[i] = classify(conv, index, ctx)
         return sorted(convs, key=_severity)
 
 
@@ -240,7 +249,7 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
     def second_lines(f: LogFile) -> Iterator[tuple[int, bytes]]:
         if f.fmt == "vllm":
             # engine lines name requests as chatcmpl-<rid>/cmpl-<rid>; settings lines sit at the start
-            found = dict(_head_lines(f.path, HEAD_KEYWORDS))
+            found = dict(head_lines(f.path, HEAD_KEYWORDS, HEAD_BYTES))
             found.update(grep_prefixed(f.path, b"cmpl-", rid_needles, tick))
             lines: Iterable[tuple[int, bytes]] = sorted(found.items())
         elif f.fmt == "proxy":
@@ -255,8 +264,9 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
 
     second_files = [f for f in files if f.fmt == "vllm" or (f.fmt in ("proxy", "events")
                                                            and _needs_second_pass(f, index, rids))]
-    if rid_needles:
-        _load(second_files, index, _parallel(second_files, second_lines))
+    # Engine logs are loaded even when no request id was found: their startup lines still say which
+    # roles are present and how they are configured.
+    _load(second_files, index, _parallel(second_files, second_lines))
     # back into file order (rotated files oldest first, as detect() sorted them), then line order
     order = {f.path: i for i, f in enumerate(files)}
     index.proxy.sort(key=lambda p: (order[p.path], p.lineno))
@@ -269,7 +279,16 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
     match = next((c for c in convs if c.conversation_id == conversation_id), None)
     if match is None:
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
-    return classify(match, index)
+    ctx = Context.from_index(index)
+    out = classify(match, index, ctx)
+    if ctx.window_wanted:  # turns only P's stats windows can decide: read the minutes around them
+        try:
+            ctx.windows = ledger_for_conversation(files, index, ctx.window_wanted)
+        except (LogReadError, OSError, EOFError) as exc:
+            raise UnreadableLogError(str(exc)) from None
+        if ctx.windows is not None:
+            out = classify(match, index, ctx)
+    return out
 
 
 def _parallel(files: list[LogFile], lines_for: Callable[[LogFile], Iterable[tuple[int, bytes]]]
@@ -310,17 +329,6 @@ def _needs_second_pass(f: LogFile, index: LogIndex, rids: set[str]) -> bool:
             return not covered
         return True
     return not covered  # proxy
-
-
-def _head_lines(path: str, keywords: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
-    try:
-        with open_binary(path) as fh:
-            head = fh.read(HEAD_BYTES)
-    except (OSError, EOFError) as exc:
-        raise LogReadError(f"cannot read {path}: {exc}") from None
-    for lineno, line in enumerate(head.splitlines(keepends=True)[:-1] or head.splitlines(True), start=1):
-        if any(k in line for k in keywords):
-            yield lineno, line
 
 
 def _request_ids(index: LogIndex, conversation_id: str) -> set[str]:

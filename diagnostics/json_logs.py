@@ -65,11 +65,24 @@ class ClientStat:
     output_num_tokens: int | None = None
     turn: int | None = None
     request_id: str | None = None
+    start_ts: float | None = None  # start_time_ms / 1000 when it counts from the epoch, else None
 
     @property
     def source(self) -> str:
         """``file:line``."""
         return f"{self.path}:{self.lineno}"
+
+    @property
+    def epoch_start(self) -> bool:
+        """True when ``start_time_ms`` counts from the epoch rather than from an arbitrary origin.
+
+        vLLM's multi-turn benchmark takes it from ``time.perf_counter_ns()`` (time since boot on
+        Linux); 2001-09-09 in epoch milliseconds is past any machine's uptime.
+        """
+        return self.start_time_ms is not None and self.start_time_ms >= EPOCH_MS_FLOOR
+
+
+EPOCH_MS_FLOOR: Final = 1e12
 
 
 def _num(obj: dict[str, Any], key: str) -> float | None:
@@ -154,8 +167,10 @@ def client_stat_from_dict(obj: Any, path: str, lineno: int, text: str) -> Client
         return None
     turn = _int(obj, "turn")
     rid = obj.get("request_id")
-    return ClientStat(path=path, lineno=lineno, conversation_id=str(obj["conversation_id"]),
-                      ttft_ms=_num(obj, "ttft_ms"), text=text[:500], start_time_ms=_num(obj, "start_time_ms"),
+    start = _num(obj, "start_time_ms")
+    return ClientStat(start_ts=start / 1000.0 if start is not None and start >= EPOCH_MS_FLOOR else None,
+                      path=path, lineno=lineno, conversation_id=str(obj["conversation_id"]),
+                      ttft_ms=_num(obj, "ttft_ms"), text=text[:500], start_time_ms=start,
                       latency_ms=_num(obj, "latency_ms"), input_num_turns=_int(obj, "input_num_turns"),
                       input_num_tokens=_int(obj, "input_num_tokens"),
                       output_num_tokens=_int(obj, "output_num_tokens"),

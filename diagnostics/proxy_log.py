@@ -8,7 +8,10 @@ as ``[%s]``.
 
 from __future__ import annotations
 
+import calendar
+import functools
 import re
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -27,7 +30,12 @@ CLASSIFIERS: Final[list[tuple[str, re.Pattern[str]]]] = [
     ("no_conversation_id", re.compile(r"^\[(?P<rid>[^\]]+)\] No conversation_id provided")),
     ("sending", re.compile(rf"^\[(?P<rid>[^\]]+)\] conv={_CONV}: sending D's cached blocks to P "
                            r"\(remote_request_id=(?P<remote>[^)]+)\)")),
-    ("miss", re.compile(rf"^\[(?P<rid>[^\]]+)\] conv={_CONV}: cache MISS")),
+    ("miss", re.compile(rf"^\[(?P<rid>[^\]]+)\] conv={_CONV}: cache MISS(?: \((?P<why>[^)]*)\))?")),
+    # Later revisions of the example proxy check the history before offering or storing a handle.
+    ("miss_head", re.compile(rf"^conv={_CONV}: cache MISS \((?P<why>[^)]*)\)")),
+    ("not_cached", re.compile(rf"^\[(?P<rid>[^\]]+)\] (?:conv={_CONV}: )?not caching D blocks(?P<why>.*)$")),
+    ("not_cached", re.compile(rf"^conv={_CONV}: not caching D blocks(?P<why>.*)$")),
+    ("not_cached", re.compile(r"^not caching D blocks(?P<why>.*)$")),
     ("no_handle", re.compile(rf"^\[(?P<rid>[^\]]+)\] conv={_CONV}: no D-to-P handle offered")),
     ("prefill_done", re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill done in (?P<ms>[\d.]+)ms")),
     ("prefill_failed", re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill request failed: (?P<detail>.*)$")),
@@ -52,6 +60,19 @@ class ProxyRecord:
     def source(self) -> str:
         """``file:line``."""
         return f"{self.path}:{self.lineno}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _day_start(day: str) -> float:
+    return float(calendar.timegm(time.strptime(day, "%Y-%m-%d")))
+
+
+def wall_clock(ts: str) -> float | None:
+    """Seconds since the epoch of a proxy timestamp, read as written (no timezone is logged)."""
+    try:
+        return _day_start(ts[:10]) + int(ts[11:13]) * 3600 + int(ts[14:16]) * 60 + int(ts[17:19])
+    except ValueError:
+        return None
 
 
 def _lead(regex: re.Pattern[str]) -> str:

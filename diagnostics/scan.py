@@ -119,6 +119,33 @@ def grep_prefixed(path: str, prefix: bytes, needles: Sequence[bytes], progress: 
     return grep_regex(path, pattern, progress)
 
 
+def grep_ere(path: str, ere: str, progress: ProgressFn | None = None) -> Iterator[tuple[int, bytes]]:
+    """Lines matching a POSIX extended regex that Python's ``re`` reads the same way (no back-references)."""
+    if GREP is not None and not path.endswith(".gz"):
+        return _system_grep(path, ["-E", "-e", ere], progress)
+    return grep_regex(path, re.compile(ere.encode("utf-8"), re.MULTILINE), progress)
+
+
+def head_lines(path: str, keywords: Sequence[bytes], limit: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of the lines in the first ``limit`` bytes containing a keyword.
+
+    Numbered by ``\n`` only, as grep numbers them (a lone ``\r`` continues a vLLM record); the file's
+    last line counts even without a newline, a line the limit cuts does not.
+    """
+    try:
+        with open_binary(path) as fh:
+            head = fh.read(limit)
+    except (OSError, EOFError) as exc:
+        raise LogReadError(f"cannot read {path}: {exc}") from None
+    lines = [ln + b"\n" for ln in head.split(b"\n")]
+    tail = lines.pop()[:-1]
+    if tail and len(head) < limit:
+        lines.append(tail)
+    for lineno, line in enumerate(lines, start=1):
+        if any(k in line for k in keywords):
+            yield lineno, line
+
+
 def _ere_escape(literal: bytes) -> bytes:
     return re.sub(rb"([.\[\]()*+?{}|^$\\])", rb"\\\1", literal)
 

@@ -89,6 +89,23 @@ def _params_fields(text: str) -> dict[str, Any]:
     return out
 
 
+def _rate(text: str, name: str) -> float | None:
+    """A ``<name>: N%`` part of vLLM's periodic ``Engine NNN:`` line (absent: None)."""
+    m = re.search(rf"(?:^|, ){re.escape(name)}: ([\d.]+)%", text)
+    return float(m.group(1)) if m else None
+
+
+def _config_fields(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    m = re.search(r"\benable_prefix_caching=(True|False)\b", text)
+    if m:
+        out["prefix_caching"] = m.group(1) == "True"
+    m = re.search(r"\btensor_parallel_size=(\d+)", text)
+    if m:
+        out["tensor_parallel_size"] = int(m.group(1))
+    return out
+
+
 # (kind, compiled regex, converter of the match into fields). Order matters only for shared prefixes.
 _Conv = Any
 _CLASSIFIERS: Final[list[tuple[str, re.Pattern[str], _Conv]]] = [
@@ -157,6 +174,17 @@ _CLASSIFIERS: Final[list[tuple[str, re.Pattern[str], _Conv]]] = [
      lambda m: {"request_id": m.group(1), "why": m.group(2) or "error", "detail": m.group(3)}),
     ("kv_metrics", re.compile(r"^KV Transfer metrics: (.*)$"),
      lambda m: {k.strip(): v for k, _, v in (p.partition("=") for p in m.group(1).split(", "))}),
+    ("engine_stats", re.compile(
+        r"^Engine (\d+): Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
+        r"Running: (\d+) reqs, Waiting: (\d+) reqs(.*)$", re.DOTALL),
+     lambda m: {"engine": int(m.group(1)), "prompt_throughput": float(m.group(2)),
+                "generation_throughput": float(m.group(3)), "running": int(m.group(4)), "waiting": int(m.group(5)),
+                "prefix_hit_rate": _rate(m.group(6), "Prefix cache hit rate"),
+                "external_hit_rate": _rate(m.group(6), "External prefix cache hit rate")}),
+    ("transfer_plan", re.compile(r"^Transfer plan: TransferTopology\((.*)\)"),
+     lambda m: {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", m.group(1))}),
+    ("engine_config", re.compile(r"^Initializing a V1 LLM engine \(v([^)]*)\) with config: (.*)$", re.DOTALL),
+     lambda m: {"version": m.group(1), **_config_fields(m.group(2))}),
 ]
 
 
