@@ -49,8 +49,9 @@ def check(router: str | None, prefill: str | None, decode: str | None, model: st
       3  a component did not answer
     \b
     Examples:
-      kvdiag check --router http://router:8000 --prefill http://p-0:8000 --decode http://d-0:8000
-      kvdiag check --router http://localhost:8000 --passive     # readiness probe, no traffic
+      kvdiag check --router http://router:8000 \\
+          --prefill http://p-0.p:8000 --decode http://d-0.d:8000
+      kvdiag check --router http://localhost:8000 --passive   # no traffic
     """
     try:
         options = CheckOptions(router=router, prefill=prefill, decode=decode, model=model, api_key=api_key,
