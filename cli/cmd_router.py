@@ -79,6 +79,12 @@ def _pair(role: str, hosts: tuple[str, ...], ports: tuple[int, ...]) -> tuple[Up
               help="Write disagg_proxy_multiturn.py's text log lines here (for stock tooling).")
 @click.option("--hash-ids", is_flag=True, help="Log conversation ids as sha256[:16] in events and logs.")
 @click.option("--otlp-endpoint", default=None, help="OTLP/HTTP collector URL for traces, e.g. http://otel:4318.")
+@click.option("--block-size", type=int, default=None,
+              help="D's KV block size in tokens, to cut a handle [default: inferred per engine from its handles].")
+@click.option("--template-margin-tokens", type=int, default=8, show_default=True,
+              help="Tokens of a turn's generation prompt the next prompt's history may not reproduce.")
+@click.option("--verify-tokens", is_flag=True,
+              help="Prove reuse token by token: P's /tokenize of each prompt against D's token ids (costs a call).")
 @click.option("--ready-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write {port, pid} here once listening.")
 def router(**opts: Any) -> None:
@@ -92,7 +98,9 @@ def router(**opts: Any) -> None:
         prefill_timeout=opts["prefill_timeout"], decode_timeout=opts["decode_timeout"],
         connect_timeout=opts["connect_timeout"], max_connections=opts["max_connections"],
         max_connections_per_host=opts["max_connections"], events_file=opts["events_file"],
-        proxy_log=opts["proxy_log"], hash_ids=opts["hash_ids"], otlp_endpoint=opts["otlp_endpoint"])
+        proxy_log=opts["proxy_log"], hash_ids=opts["hash_ids"], otlp_endpoint=opts["otlp_endpoint"],
+        block_size=opts["block_size"], template_margin_tokens=opts["template_margin_tokens"],
+        verify_tokens=opts["verify_tokens"])
     try:
         config.validate()
     except ConfigError as exc:

@@ -22,11 +22,11 @@ from aiohttp import web
 
 from kvdiag.exporters.tracecontext import trace_id_from_traceparent
 from kvdiag.router.config import RouterConfig
-from kvdiag.router.reply import Observed, observe_body
+from kvdiag.router.reply import Observed, drop_token_ids, observe_body
 from kvdiag.router.reuse import ReuseGuard
 from kvdiag.router.reuse_rule import PromptView, Reuse, prompt_view, unsupported_shape
 from kvdiag.router.security import earlier_turns, hash_conversation_id, store_key, tenant_of
-from kvdiag.router.sse import PARAMS_KEY, SSECapture
+from kvdiag.router.sse import PARAMS_KEY, SSECapture, TokenIdStripper
 from kvdiag.router.store import Claim, Handle, LastTurn, Store, StoreError
 from kvdiag.router.telemetry import RouterTelemetry
 from kvdiag.router.turns import HIT, PREFIX_MISMATCH, TurnState, decide_lookup, prefill_verdict
@@ -78,6 +78,9 @@ class _Turn:
     view: PromptView | None = None  # the prompt as the reuse rule sees it (None: a shape it cannot check)
     decision: Any = None  # the reuse rule's Decision for the claimed handle
     inject: dict[str, Any] | None = None  # D's params as P gets them (cut when the handle is trimmed)
+    order: list[int] | None = None  # the P instances to try, in order
+    tokenized: list[int] | None = None  # --verify-tokens: P's /tokenize of this prompt
+    strip_ids: bool = False  # --verify-tokens asked D for token ids the client did not ask for
     handle: Handle | None = None  # the handle injected into P's request
     handle_reached_p: bool = False  # P may have read it: never give it back
     reached_decode: bool = False
@@ -154,13 +157,13 @@ class TurnFlow:
         except ClientRequestError as exc:
             state.status, state.http_status, state.error = "error", 400, str(exc)
             return openai_error(str(exc), 400, "invalid_request_error")
-        await self._lookup(body, turn)
+        headers = self._upstream_headers(request, state.request_id)
+        await self._lookup(body, turn, headers)
         proxy_log = self.telemetry.proxy_log
         lookup = state.lookup
         assert lookup is not None
         if proxy_log is not None:
             self._log_lookup(turn)
-        headers = self._upstream_headers(request, state.request_id)
         if span is not None:
             span.set_attribute("kvdiag.turn", lookup.turn)
             span.set_attribute("kvdiag.lookup", lookup.result)
@@ -177,6 +180,9 @@ class TurnFlow:
         # --- decode leg
         decode_body = dict(body)
         decode_body[PARAMS_KEY] = p_params
+        if self.config.verify_tokens and turn.view is not None:
+            turn.strip_ids = not body.get("return_token_ids")
+            decode_body["return_token_ids"] = True  # D's prompt and output ids: its sequence, for the next turn
         if p_params is not None and "remote_host" in p_params:
             p_params["remote_host"] = self.upstreams.prefill[p_index].host  # as the example proxy does
         payload = json.dumps(decode_body, separators=(",", ":")).encode()
@@ -218,7 +224,7 @@ class TurnFlow:
             turn.conv_log = state.conversation_id
         return body
 
-    async def _lookup(self, body: dict[str, Any], turn: _Turn) -> None:
+    async def _lookup(self, body: dict[str, Any], turn: _Turn, headers: dict[str, str]) -> None:
         state = turn.state
         store_error = None
         claim = None
@@ -234,7 +240,28 @@ class TurnFlow:
         handle = claim.handle if claim is not None and claim.acquired else None
         coverage = handle.coverage if handle is not None else None
         turn.view = prompt_view(body, coverage.lengths() if coverage is not None else ())
-        injection = self.reuse.inject(handle, turn.view) if handle is not None else None
+        turn.order = self.upstreams.prefill_order()
+        injection = None
+        if handle is not None:
+            ids = None
+            if self.config.verify_tokens and coverage is not None and coverage.tokens is not None \
+                    and turn.view is not None:
+                started = time.perf_counter()
+                try:
+                    ids = await self.reuse.tokenize(self.upstreams, (turn.order or [0])[0], body, headers)
+                    if ids is None:
+                        state.reuse_attrs["verify"] = "the request renders differently from /tokenize"
+                except LegError as exc:
+                    self.telemetry.upstream_error("prefill", exc.kind)
+                    state.reuse_attrs["verify"] = str(exc)[:200]
+                state.reuse_attrs["tokenize_ms"] = round((time.perf_counter() - started) * 1000.0, 3)
+                turn.tokenized = ids
+            if ids is not None and coverage is not None and coverage.tokens is not None:
+                matched = coverage.tokens.matched(ids)
+                state.reuse_attrs["verified_tokens"] = matched
+                injection = self.reuse.inject(handle, turn.view, matched, len(ids))
+            else:
+                injection = self.reuse.inject(handle, turn.view)
         decision = injection.decision if injection is not None else None
         turn.decision = decision
         lookup = decide_lookup(has_id=turn.key is not None, claim=claim, decision=decision,
@@ -289,7 +316,7 @@ class TurnFlow:
                            span: Span | None) -> tuple[dict[str, Any] | None, int]:
         """Run the prefill leg with retries; return P's params for D and the P index that answered."""
         state = turn.state
-        order = self.upstreams.prefill_order()
+        order = turn.order or self.upstreams.prefill_order()
         handle = turn.handle if turn.inject is not None else None
         first_params = _handle_params(turn.inject) if turn.inject is not None else dict(MISS_PARAMS)
         attempts: list[tuple[int, dict[str, Any], bool]] = [(order[0], first_params, handle is not None)]
@@ -455,6 +482,7 @@ class TurnFlow:
             capture = SSECapture(max_record_bytes=self.config.max_reply_bytes, chat=state.endpoint == "chat",
                                  single_choice=not (isinstance(n, int) and n > 1) and not body.get("use_beam_search"),
                                  token_ids=self.config.verify_tokens)
+            stripper = TokenIdStripper() if turn.strip_ids else None
             failure: LegError | None = None
             client_gone = False
             try:
@@ -469,7 +497,9 @@ class TurnFlow:
                         # Store before the client sees [DONE]: its next turn must find the handle.
                         await self._store_from_capture(turn, capture, d_index)
                     try:
-                        await out.write(chunk)
+                        await out.write(stripper.feed(chunk) if stripper is not None else chunk)
+                        if capture.done and stripper is not None:
+                            await out.write(stripper.flush())
                     except ConnectionResetError:
                         client_gone = not turn.delivered
                         break
@@ -562,8 +592,11 @@ class TurnFlow:
             if isinstance(usage, dict):
                 state.completion_tokens = _int(usage.get("completion_tokens"))
             params = obj.pop(PARAMS_KEY, None)
+            observed = observe_body(obj)
+            if turn.strip_ids:
+                drop_token_ids(obj)
             if isinstance(params, dict):
-                await self._store_result(turn, self._handle_from(params, d_index, turn, observe_body(obj)))
+                await self._store_result(turn, self._handle_from(params, d_index, turn, observed))
             else:
                 reason = "aborted" if _finish_reason(obj) == "abort" else "bidirectional_off_on_decode"
                 state.missing_reason = reason
@@ -606,6 +639,9 @@ class TurnFlow:
             blockers = coverage.reply.blockers()
             if blockers:
                 state.reply_blockers = [b.value for b in blockers]
+        if not self.reuse.same_tokens(turn.tokenized, observed, state.reuse_limit_tokens):
+            state.reuse_attrs["verify_mismatch_after_read"] = True
+            self.telemetry.emit_error()
         return Handle(params=params, stored_at=time.time(), turn=lookup.turn if lookup else 1,
                       request_id=state.request_id, coverage=coverage)
 

@@ -132,6 +132,17 @@ class Observed:
             self.prompt_ids = prompt_ids
 
 
+def drop_token_ids(obj: dict[str, Any]) -> None:
+    """Token ids the router asked D for, removed from a body whose client did not ask for them."""
+    if obj.get("prompt_token_ids") is not None:
+        obj["prompt_token_ids"] = None
+    for choice in obj.get("choices") or ():
+        if isinstance(choice, dict):
+            for key in ("token_ids", "prompt_token_ids"):
+                if choice.get(key) is not None:
+                    choice[key] = None
+
+
 def observe_body(obj: Mapping[str, Any]) -> Observed:
     """What a non-streaming response carries (chat ``message`` or completions ``text``)."""
     out = Observed(done=True)

@@ -9,6 +9,8 @@ what the turn observed.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +37,28 @@ from kvdiag.router.reuse_rule import (
     trim_handle,
 )
 from kvdiag.router.store import Handle
+from kvdiag.router.upstream import Upstreams
 from kvdiag.schema.verdicts import TrimReason
+
+_logger = logging.getLogger(__name__)
+
+# What /tokenize renders like the chat request itself; a request with a field outside this list
+# (reasoning_effort, documents, a named tool_choice, ...) may render differently, so its tokens are
+# not proven that way.
+_TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                         "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
+_TOKENIZE_COMPLETION_FIELDS = ("model", "prompt", "add_special_tokens")
+_RENDER_ONLY_FIELDS = ("reasoning_effort", "documents", "response_format")
+
+
+def tokenize_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``/tokenize`` request that renders ``body``'s prompt; None when it would not render alike."""
+    if any(body.get(name) is not None for name in _RENDER_ONLY_FIELDS):
+        return None
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        return None
+    names = _TOKENIZE_CHAT_FIELDS if "messages" in body else _TOKENIZE_COMPLETION_FIELDS
+    return {name: body[name] for name in names if name in body}
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +121,28 @@ class ReuseGuard:
                                 f"{decision.detail}; D's block list cannot be cut by position (block size {bs})",
                                 decision.rung, decision.matched)
         return Injection(decision, None, num_tokens)
+
+    async def tokenize(self, upstreams: Upstreams, index: int, body: Mapping[str, Any],
+                       headers: dict[str, str]) -> list[int] | None:
+        """P's token ids of this prompt (token-exact mode); None when /tokenize would not render it alike.
+
+        Raises LegError when P cannot answer.
+        """
+        request = tokenize_body(body)
+        if request is None:
+            return None
+        return await upstreams.tokenize(index, json.dumps(request).encode(), headers,
+                                        min(self.config.prefill_timeout, 10.0))
+
+    @staticmethod
+    def same_tokens(tokenized: list[int] | None, observed: Observed | None, limit: int | None) -> bool:
+        """False when /tokenize and the prompt D rendered differ within the ``limit`` tokens P read."""
+        ids = observed.prompt_ids if observed is not None else None
+        if tokenized is None or not limit or ids is None or tokenized[:limit] == ids[:limit]:
+            return True
+        _logger.warning("token-exact mode: /tokenize and the prompt D rendered differ within the %d tokens P read; "
+                        "check that P and D render alike", limit)
+        return False
 
     def coverage(self, *, body: Mapping[str, Any], view: PromptView, previous: Coverage | None,
                  decision: Decision | None, prompt_tokens: int | None, observed: Observed | None,

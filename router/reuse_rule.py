@@ -141,22 +141,22 @@ class Rung:
 
 @dataclass(frozen=True, slots=True)
 class TokenTrace:
-    """Token-exact form of D's sequence: prefix hashes every ``step`` tokens of its first ``count``."""
+    """Token-exact form of D's sequence: prefix hashes every ``step`` of its first ``count`` tokens, and at the end."""
 
     step: int
     count: int
-    checkpoints: bytes     # 8 bytes per checkpoint, at step, 2*step, ... <= count
+    checkpoints: bytes     # 8 bytes per checkpoint, at step, 2*step, ... <= count, then at count itself
+
+    def positions(self) -> list[int]:
+        """The token positions the checkpoints stand for."""
+        return _positions(self.step, self.count)[:len(self.checkpoints) // 8]
 
     def matched(self, ids: Sequence[int]) -> int:
-        """Leading tokens of ``ids`` proven equal to D's sequence (a multiple of ``step``)."""
-        if self.step <= 0 or not self.checkpoints:
-            return 0
+        """Leading tokens of ``ids`` proven equal to D's sequence (a checkpoint position, or 0)."""
         data = _id_bytes(ids)
         h = hashlib.sha256()
-        done = 0
-        matched = 0
-        for k in range(len(self.checkpoints) // 8):
-            end = (k + 1) * self.step
+        done = matched = 0
+        for k, end in enumerate(self.positions()):
             if end > len(ids):
                 break
             h.update(data[done * 4:end * 4])
@@ -171,17 +171,26 @@ def token_trace(ids: Sequence[int], count: int, step: int, max_checkpoints: int 
     """The trace of the first ``count`` ids; ``step`` grows (by multiples) to keep the size bounded."""
     count = max(0, min(count, len(ids)))
     step = max(1, step)
-    if count // step > max_checkpoints:
-        step *= math.ceil(count / step / max_checkpoints)
+    if count // step > max_checkpoints - 1:
+        step *= math.ceil(count / step / (max_checkpoints - 1))
     data = _id_bytes(ids[:count])
     h = hashlib.sha256()
     out = bytearray()
     done = 0
-    for end in range(step, count + 1, step):
+    for end in _positions(step, count):
         h.update(data[done * 4:end * 4])
         done = end
         out += h.digest()[:8]
     return TokenTrace(step, count, bytes(out))
+
+
+def _positions(step: int, count: int) -> list[int]:
+    if step < 1 or count < 1:
+        return []
+    out = list(range(step, count + 1, step))
+    if count % step:
+        out.append(count)
+    return out
 
 
 def _id_bytes(ids: Sequence[int]) -> bytes:

@@ -20,11 +20,13 @@ Usage::
 
 from __future__ import annotations
 
+import re
 from typing import Any, Final
 
 from kvdiag.router.reply import PARAMS_KEY, Observed, has_done, parse_stream
 
-__all__ = ["DEFAULT_MAX_FRAME_BYTES", "DEFAULT_MAX_RECORD_BYTES", "PARAMS_KEY", "SSECapture"]
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "DEFAULT_MAX_RECORD_BYTES", "PARAMS_KEY", "SSECapture", "TokenIdStripper",
+           "strip_token_ids"]
 
 DEFAULT_MAX_FRAME_BYTES: Final = 4 << 20
 DEFAULT_MAX_RECORD_BYTES: Final = 8 << 20
@@ -134,3 +136,39 @@ class SSECapture:
     def frames_parsed(self) -> int:
         """Frames parsed as JSON one by one (token frames of vLLM's layout are not)."""
         return self.observed.frames_parsed if self.observed is not None else 0
+
+
+_TOKEN_ID_LISTS: Final = re.compile(rb'"(prompt_)?token_ids": ?\[[\d, ]*\]')
+
+
+def strip_token_ids(data: bytes) -> bytes:
+    """``token_ids`` / ``prompt_token_ids`` lists replaced by null, as vLLM writes them when not asked."""
+    return _TOKEN_ID_LISTS.sub(rb'"\1token_ids":null', data) if b"token_ids" in data else data
+
+
+class TokenIdStripper:
+    """Removes the token ids the router asked D for from a stream whose client did not ask for them.
+
+    Only whole frames are rewritten (a list may be split across reads); a partial frame waits for
+    the next read.
+    """
+
+    __slots__ = ("_tail",)
+
+    def __init__(self) -> None:
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to forward for this read."""
+        data = self._tail + chunk if self._tail else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._tail = data
+            return b""
+        self._tail = data[cut + 2:]
+        return strip_token_ids(data[:cut + 2])
+
+    def flush(self) -> bytes:
+        """Whatever is left at the end of the stream."""
+        rest, self._tail = self._tail, b""
+        return strip_token_ids(rest)

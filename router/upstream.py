@@ -106,6 +106,23 @@ class Upstreams:
                 from None
         return check_json_response("prefill", str(url), status, raw, content_type)
 
+    async def tokenize(self, index: int, body: bytes, headers: dict[str, str], timeout: float) -> list[int]:
+        """P ``index``'s ``/tokenize`` of a prompt; raise LegError when it cannot answer."""
+        url = self._url("prefill", index, "/tokenize")
+        try:
+            async with self.session.post(url, data=body, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                raw = await resp.read()
+                status = resp.status
+                content_type = resp.headers.get("Content-Type", "application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise LegError("prefill", "connect", f"tokenize at {url} failed: {type(exc).__name__}: {exc}") from None
+        obj = check_json_response("prefill", str(url), status, raw, content_type)
+        ids = obj.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise LegError("prefill", "malformed", f"tokenize at {url} sent no token list")
+        return ids
+
     async def open_decode(self, index: int, path: str, body: bytes,
                           headers: dict[str, str]) -> aiohttp.ClientResponse:
         """Send the decode request to D ``index``; return the open 200 response or raise LegError."""

@@ -217,7 +217,7 @@ def test_decide_without_a_proof() -> None:
 def test_token_trace_proves_exactly_the_common_prefix() -> None:
     ids = list(range(500, 900))
     trace = token_trace(ids, 390, 16)
-    assert trace.matched(ids) == 384 and trace.matched([*ids[:200], 7, *ids[201:]]) == 192
+    assert trace.matched(ids) == 390 and trace.matched([*ids[:200], 7, *ids[201:]]) == 192  # the end is proven too
     assert trace.matched(ids[:100]) == 96 and len(token_trace(ids * 40, 16000, 1).checkpoints) <= 8 * 1024
 
 
@@ -226,7 +226,7 @@ def test_token_trace_proves_exactly_the_common_prefix() -> None:
 def test_token_trace_against_a_reference_lcp(a: list[int], b: list[int], step: int) -> None:
     trace = token_trace(a, len(a), step)
     lcp = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    assert trace.matched(b) == lcp // trace.step * trace.step
+    assert trace.matched(b) == (len(a) if lcp == len(a) else lcp // trace.step * trace.step)
 
 
 # ---------------------------------------------------------------------------------------------- the property

@@ -37,6 +37,10 @@ def test_bad_options_fail_with_a_fix_it_message() -> None:
     assert result.exit_code == 1 and "one port per host" in result.output
     result = runner.invoke(cli, ["router", "--state", "memcached://x"])
     assert result.exit_code == 1 and "redis://" in result.output
+    result = runner.invoke(cli, ["router", "--block-size", "0"])
+    assert result.exit_code == 1 and "--block-size 0" in result.output and "KV block size" in result.output
+    result = runner.invoke(cli, ["router", "--template-margin-tokens", "-1"])
+    assert result.exit_code == 1 and "--template-margin-tokens" in result.output
 
 
 async def test_router_process_serves_and_stops_cleanly(tmp_path: Path) -> None:
