@@ -578,7 +578,9 @@ def _by_windows(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn
             f"kv_recompute_threshold{t} and P recomputed it", facts, b), sent, *lines, caching)
     recovered = ctx.windows.recovered_near(rid)
     done = any(ln.kind == "prefill_done" for ln in facts.proxy.lines)
-    if found.read is None and must_read and done and recovered is None:
+    # Only where no stats window speaks: a window that counts fewer transfers than the reads sharing it
+    # says some read made none, and this turn alone cannot tell which one.
+    if found.read is None and not found.windows and must_read and done and recovered is None:
         return b.set(Verdict.REMOTE_HIT, INFERRED, _with_failure(
             f"P runs without prefix caching, so it had to pull all of D's tokens the prompt repeats, at least {low} "
             f"by the client's counts, which is not below kv_recompute_threshold {thr}; P logged no decline, failure "

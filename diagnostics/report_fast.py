@@ -50,6 +50,11 @@ _FIELDS: Final = ("model", "prompt_tokens", "completion_tokens", "local_hit_toke
                   "failure_type")
 
 
+# What the user saw comes from the client first (classify._Turn._numbers): its events, its statistics,
+# then the router and P.
+_CLIENT_FIRST: Final = ("ttft_ms", "prompt_tokens", "completion_tokens", "duration_ms")
+_CLIENT_COLS: Final = ("c_ttft_ms", "c_prompt_tokens", "c_completion_tokens", "c_latency_ms")
+
 _RENAME: Final = {"ts": "start_ts", "duration_ms": "latency_ms", "remote_read_tokens": "remote_tokens",
                   "outcome": "verdict"}
 
@@ -156,6 +161,8 @@ def _turns_sql(sides: tuple[str, ...], prefill: bool) -> str:
 
     picks = ",\n  ".join(f"{first(f)} AS {_RENAME.get(f, f)}"
                           for f in (*_FIELDS, "ts", "ttft_ms", "duration_ms", "remote_read_tokens"))
+    # the client's own values: client statistics come before the router's and P's (_CLIENT_FIRST)
+    picks += ",\n  " + ", ".join(f"{col('c', f)} AS c_{_RENAME.get(f, f)}" for f in _CLIENT_FIRST)
     # Which event decides, in classify._instrumented's order: P's first event with a known outcome
     # ("obs_") where the router only inferred its own; P's first event with any outcome ("grp_") in P's turn.
     deciders = [(f"{col('r', 'outcome')} IS NOT NULL AND starts_with(coalesce({col('r', 'reason')}, ''), 'inferred') "
@@ -332,10 +339,11 @@ j AS (SELECT t.*, s.ttft_ms AS s_ttft, s.latency_ms AS s_latency, s.start_time_m
 g AS (SELECT *, (s_start - lag(s_start) OVER w - lag(s_latency) OVER w) / 1000.0 AS client_gap
       FROM j WINDOW w AS (PARTITION BY conversation_id ORDER BY turn))
 SELECT * EXCLUDE (k, s_ttft, s_latency, s_start, s_prompt, s_completion, p_prefill, p_age, stock_why, retried,
-                  answered, client_gap)
-  REPLACE (coalesce(ttft_ms, s_ttft) AS ttft_ms, coalesce(prompt_tokens, s_prompt) AS prompt_tokens,
-           coalesce(completion_tokens, s_completion) AS completion_tokens,
-           coalesce(latency_ms, s_latency) AS latency_ms, coalesce(prefill_ms, p_prefill) AS prefill_ms,
+                  answered, client_gap, {", ".join(_CLIENT_COLS)})
+  REPLACE (coalesce(c_ttft_ms, s_ttft, ttft_ms) AS ttft_ms, coalesce(c_prompt_tokens, s_prompt, prompt_tokens)
+             AS prompt_tokens,
+           coalesce(c_completion_tokens, s_completion, completion_tokens) AS completion_tokens,
+           coalesce(c_latency_ms, s_latency, latency_ms) AS latency_ms, coalesce(prefill_ms, p_prefill) AS prefill_ms,
            coalesce(entry_age_s, p_age) AS entry_age_s,
            coalesce(gap_s, CASE WHEN client_gap >= 0 THEN client_gap END) AS gap_s,
            coalesce(failed_why, CASE WHEN NOT answered THEN stock_why END) AS failed_why),
@@ -445,7 +453,7 @@ def _build(con: duckdb.DuckDBPyConnection, events: list[str], stock: list[LogFil
         con.execute("CREATE TEMP TABLE stock_fail AS " + STOCK_FAILURES_SQL)
         con.execute("CREATE TEMP TABLE turns_final AS " + _STOCK_JOIN_SQL)
     else:
-        con.execute("CREATE TEMP VIEW turns_final AS SELECT * FROM turns")
+        con.execute(f"CREATE TEMP VIEW turns_final AS SELECT * EXCLUDE ({', '.join(_CLIENT_COLS)}) FROM turns")
     # Client statistics leave some gaps unknown (a negative one is no gap): then the window is needed anyway.
     result = con.sql(_final_sql(bool(stock))).to_arrow_table()
     if not stock and pc.any(pc.and_(pc.greater(result["turn"], 1), pc.is_null(result["gap_s"]))).as_py():

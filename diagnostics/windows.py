@@ -164,7 +164,7 @@ class Ledger:
                 if k is not None and c > k * n:
                     self.problem = (f"P's stats window ending {w.line.ts} counts more successful transfers ({c}) "
                                     f"than the {n} read(s) the proxy log offered in it allow: another router feeds "
-                                    "P, or part of the proxy log is missing")
+                                    "P, part of the proxy log is missing, or P's clock differs from the proxy's")
                     self._tight.clear()
                     return
                 if k is not None and n and c == k * n:
@@ -213,7 +213,7 @@ class Ledger:
         if offer is None:
             return None
         if self.problem is not None:
-            return WindowFinding(None, (), (), self.problem, self.prefix_caching)
+            return WindowFinding(None, tuple(self._candidates(offer)), (), self.problem, self.prefix_caching)
         run = self._tight.get(rid)
         if run is not None:
             lo, hi = min(w.lo for w in run), max(w.hi for w in run)

@@ -1,0 +1,269 @@
+"""explain at INFO: P's stats windows against the reads the proxy offered (diagnostics/windows.py).
+
+The fixture tests/fixtures/logs/real_vllm_info/ is an INFO run as vLLM 0.33 writes it: its own
+LoggingStatLogger made the ``Engine 000`` and ``KV Transfer metrics`` lines from each interval's counts
+(tests/fixtures/logs/make_real_vllm_info.py; test_fixture_is_what_vllm_writes regenerates it), the
+reference proxy's lines and the benchmark's RequestStats around them. P runs without prefix caching
+(the article's setup). ``real_vllm_info.truth.json`` says what happened to every turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from kvdiag.cli.main import cli
+from kvdiag.diagnostics.explain import explain_conversation, load_turns
+from kvdiag.diagnostics.records import ConversationRecord
+from kvdiag.diagnostics.vllm_log import classify_message
+from kvdiag.diagnostics.windows import vllm_wall_clock
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+RUN = FIXTURES / "real_vllm_info"
+TRUTH = {(t["conversation_id"], t["turn"]): t["verdict"]
+         for t in json.loads((FIXTURES / "real_vllm_info.truth.json").read_text())}
+FILES = ("prefill.log", "decode.log", "proxy.log", "client-stats.json")
+
+
+def _copy(tmp: Path, **edits: Any) -> Path:
+    """The fixture in ``tmp``, each named file passed through its edit function (text -> text)."""
+    out = tmp / "run"
+    shutil.copytree(RUN, out)
+    for name, edit in edits.items():
+        path = out / name.replace("_", ".", 1)
+        path.write_text(edit(path.read_text()))
+    return out
+
+
+def _verdicts(convs: list[ConversationRecord]) -> dict[tuple[str, int], tuple[str, str, str]]:
+    return {(c.conversation_id, t.turn): (t.verdict.value, t.confidence.value, t.reason) for c in convs
+            for t in c.turns}
+
+
+def _wrong(got: dict[tuple[str, int], tuple[str, str, str]]) -> list[str]:
+    """Turns whose verdict is not the truth; an unknown where the truth is known counts as not wrong."""
+    out = []
+    for key, want in TRUTH.items():
+        verdict, conf, reason = got[key]
+        if verdict == want or (verdict == "unknown" and conf == "inferred"):
+            continue
+        if want.startswith("unknown") and verdict == "unknown":
+            continue
+        out.append(f"{key}: want {want}, got {verdict} ({conf}): {reason}")
+    return out
+
+
+def test_every_turn_of_the_info_run_is_decided_as_it_happened() -> None:
+    got = _verdicts(load_turns([str(RUN)]))
+    assert set(got) == set(TRUTH)
+    for key, want in TRUTH.items():
+        verdict, conf, reason = got[key]
+        if want.startswith("unknown"):
+            assert verdict == "unknown", (key, verdict, reason)
+        else:
+            assert verdict == want, (key, verdict, reason)
+    # a window never confirms anything: it is evidence about a set of reads, not about one request
+    for key, (verdict, conf, _) in got.items():
+        if verdict in ("remote_hit", "below_threshold"):
+            assert conf == "inferred", key
+    # every successful D->P read is a remote_hit: none left unknown
+    assert [k for k, v in TRUTH.items() if v == "remote_hit" and got[k][0] != "remote_hit"] == []
+
+
+def test_the_undecided_turn_names_the_read_it_shares_the_window_with_and_what_decides() -> None:
+    got = _verdicts(load_turns([str(RUN)]))
+    reason = got[("agent-f", 2)][2]
+    e2 = json.loads((FIXTURES / "real_vllm_info.truth.json").read_text())
+    e2_rid = next(t["request_id"] for t in e2 if (t["conversation_id"], t["turn"]) == ("agent-e", 2))
+    assert f"{e2_rid} (agent-e)" in reason and "ending 11-29 10:01:40 count 1 successful" in reason
+    assert "VLLM_LOGGING_LEVEL=DEBUG" in reason and "prefill events" in reason
+
+
+def test_window_evidence_is_the_stat_line_and_the_offer() -> None:
+    convs = {c.conversation_id: c for c in load_turns([str(RUN)])}
+    hit = convs["agent-b"].turns[1]
+    texts = [e.text for e in hit.evidence]
+    assert "sending D's cached blocks to P" in texts[0]
+    assert any("KV Transfer metrics: Num successful transfers=2," in t for t in texts)
+    for ev in hit.evidence:  # cited where it is
+        path, _, lineno = ev.source.rpartition(":")
+        assert ev.text[:60] in Path(path).read_text().splitlines()[int(lineno) - 1]
+    assert "exactly the 2 read(s)" in hit.reason
+    # no window (P's stat lines stop), yet the client's own counts: P without prefix caching must pull
+    # at least the threshold, and it logged no decline or failure
+    late = convs["agent-l"].turns[1]
+    assert late.verdict.value == "remote_hit" and "without prefix caching" in late.reason
+    assert "not below kv_recompute_threshold 64" in late.reason
+    assert any("Initializing a V1 LLM engine (v0.33.0) with config:" in e.text for e in late.evidence)
+    below = convs["agent-i"].turns[1]
+    assert below.verdict.value == "below_threshold" and "count no successful D→P transfer" in below.reason
+
+
+def test_one_conversation_is_explained_as_the_all_pass_explains_it() -> None:
+    every = {c.conversation_id: c for c in load_turns([str(RUN)])}
+    for conv_id, conv in every.items():
+        one = explain_conversation([str(RUN)], conv_id)
+        assert [t.to_json_dict() for t in one.turns] == [t.to_json_dict() for t in conv.turns], conv_id
+
+
+def test_a_window_short_of_one_transfer_decides_neither_read(tmp_path: Path) -> None:
+    # Negative control: b and c shared the window with 2 transfers; with 1, either read may be the one
+    run = _copy(tmp_path, prefill_log=lambda t: t.replace(
+        "KV Transfer metrics: Num successful transfers=2,", "KV Transfer metrics: Num successful transfers=1,"))
+    got = _verdicts(load_turns([str(run)]))
+    assert got[("agent-b", 2)][0] == got[("agent-c", 2)][0] == "unknown"
+    assert not _wrong(got)
+
+
+def test_transfers_no_offered_read_explains_stop_every_window_decision(tmp_path: Path) -> None:
+    # Negative control: P counted a transfer where the proxy offered no read (another router feeds P,
+    # or part of the proxy log is missing): counts can no longer be trusted anywhere.
+    lines = (RUN / "prefill.log").read_text().splitlines(keepends=True)
+    k = next(i for i, ln in enumerate(lines) if "10:00:30 [loggers.py" in ln)
+    extra = lines[k].replace("Engine 000:", "Engine 000:")  # the tick's Engine line, then a KV line for it
+    kv = next(ln for ln in lines if "KV Transfer metrics: Num successful transfers=1," in ln)
+    lines.insert(k + 1, kv.replace("10:00:20", "10:00:30"))
+    assert extra
+    run = _copy(tmp_path)
+    (run / "prefill.log").write_text("".join(lines))
+    got = _verdicts(load_turns([str(run)]))
+    assert got[("agent-a", 2)][0] == got[("agent-b", 2)][0] == "unknown"
+    assert "another router feeds P" in got[("agent-b", 2)][2]
+    assert not _wrong(got)
+
+
+def test_no_read_is_inferred_when_another_prefill_instance_may_have_served_it(tmp_path: Path) -> None:
+    # Negative control: the proxy round-robins over two prefill instances and only one log is given:
+    # a window that counts nothing proves nothing about a read the other P may have served.
+    run = _copy(tmp_path, proxy_log=lambda t: t.replace("Ready: 1 prefill", "Ready: 2 prefill"))
+    got = _verdicts(load_turns([str(run)]))
+    assert got[("agent-i", 2)][0] == "unknown"
+    assert got[("agent-a", 2)][0] == "remote_hit"  # a window that accounts for every read still does
+    assert not _wrong(got)
+
+
+def test_prefix_caching_on_leaves_local_hit_and_threshold_undecided(tmp_path: Path) -> None:
+    # With prefix caching on, a read that made no transfer may be a local hit or a threshold skip.
+    run = _copy(tmp_path, prefill_log=lambda t: t.replace("enable_prefix_caching=False", "enable_prefix_caching=True")
+                .replace("CPU KV cache usage: 1.2%,", "CPU KV cache usage: 1.2%, Prefix cache hit rate: 3.1%,"))
+    got = _verdicts(load_turns([str(run)]))
+    assert got[("agent-i", 2)][0] == "unknown" and "local_hit or below_threshold" in got[("agent-i", 2)][2]
+    assert got[("agent-l", 2)][0] == "unknown"  # the token counts bound nothing when P may hold a prefix
+    assert got[("agent-a", 2)][0] == "remote_hit"
+    assert not _wrong(got)
+
+
+def test_without_a_transfer_plan_line_counts_are_not_matched_to_reads(tmp_path: Path) -> None:
+    run = _copy(tmp_path, prefill_log=lambda t: "".join(
+        ln for ln in t.splitlines(keepends=True) if "Transfer plan:" not in ln))
+    got = _verdicts(load_turns([str(run)]))
+    assert got[("agent-b", 2)][0] == "unknown" and "Transfer plan" in got[("agent-b", 2)][2]
+    assert got[("agent-i", 2)][0] == "below_threshold"  # a window with no transfer needs no count per read
+    assert not _wrong(got)
+
+
+def test_two_transfers_per_read_halve_the_count(tmp_path: Path) -> None:
+    # P at TP 2: each read makes two transfers, so one transfer per read is a count that cannot add up
+    run = _copy(tmp_path, prefill_log=lambda t: t.replace("local_tp=1", "local_tp=2"))
+    got = _verdicts(load_turns([str(run)]))
+    assert got[("agent-b", 2)][0] == "unknown"
+    assert not _wrong(got)
+
+
+def _shift_p_clock(text: str, seconds: int) -> str:
+    def shift(m: re.Match[str]) -> str:
+        import time
+        t = vllm_wall_clock(m.group(2), 1_795_946_400.0)
+        assert t is not None
+        return m.group(1) + time.strftime("%m-%d %H:%M:%S", time.gmtime(t + seconds))
+    return re.sub(r"((?:INFO|WARNING|ERROR|DEBUG) )(\d\d-\d\d \d\d:\d\d:\d\d)", shift, text)
+
+
+def _with_request_logging(text: str) -> str:
+    """P's log as with --enable-log-requests: vLLM's ``Added request <id>.`` as each offered request arrives."""
+    import time
+    lines = text.splitlines(keepends=True)
+    added = []
+    for t in json.loads((FIXTURES / "real_vllm_info.truth.json").read_text()):
+        sent = next((ln for ln in (RUN / "proxy.log").read_text().splitlines()
+                     if f"[{t['request_id']}] conv=" in ln), None)
+        if sent is None:
+            continue
+        stamp = time.strftime("%m-%d %H:%M:%S", time.strptime(sent[:19], "%Y-%m-%d %H:%M:%S"))
+        added.append(f"(APIServer pid=31790) INFO {stamp} [async_llm.py:587] Added request "
+                     f"chatcmpl-{t['request_id']}-0000abcd.\n")
+    stamp_of = re.compile(r"\) \w+ (\d\d-\d\d \d\d:\d\d:\d\d) ")
+    merged = sorted([*lines, *added], key=lambda ln: m.group(1) if (m := stamp_of.search(ln)) else "")
+    return "".join(merged)
+
+
+def test_a_skewed_p_clock_is_measured_on_the_lines_that_name_requests(tmp_path: Path) -> None:
+    # P's clock 25 s ahead of the proxy's; with request logging, P's "Added request" lines (they name
+    # requests the proxy sent at known times) give the offset, and the windows line up again.
+    run = _copy(tmp_path, prefill_log=lambda t: _shift_p_clock(_with_request_logging(t), 25))
+    got = _verdicts(load_turns([str(run)]))
+    assert not _wrong(got)
+    assert got[("agent-b", 2)][0] == "remote_hit" and got[("agent-i", 2)][0] == "below_threshold"
+
+
+def test_a_skewed_p_clock_the_lines_cannot_measure_decides_nothing(tmp_path: Path) -> None:
+    # Without request logging the only line naming a request is the decline, which bounds the offset
+    # loosely; the windows then count transfers where no read was offered, and nothing is decided.
+    run = _copy(tmp_path, prefill_log=lambda t: _shift_p_clock(t, 25))
+    got = _verdicts(load_turns([str(run)]))
+    assert not _wrong(got)
+    assert got[("agent-b", 2)][0] == "unknown" and "clock" in got[("agent-b", 2)][2]
+
+
+def test_a_skewed_p_clock_without_request_lines_gives_no_wrong_verdict(tmp_path: Path) -> None:
+    def edit(text: str) -> str:
+        text = "".join(ln for ln in text.splitlines(keepends=True)
+                       if "Declining" not in ln and "Failing" not in ln and "Skipping KV" not in ln)
+        return _shift_p_clock(text, 25)
+    run = _copy(tmp_path, prefill_log=edit)
+    got = _verdicts(load_turns([str(run)]))
+    del got[("agent-d", 2)]  # its decline lines were removed with the rest: its truth is gone with them
+    assert not [w for w in _wrong({k: got.get(k, ("unknown", "inferred", "")) for k in TRUTH})
+                if not w.startswith("('agent-d', 2)")]
+
+
+def test_stat_lines_parse_as_vllm_writes_them() -> None:
+    lines = (RUN / "prefill.log").read_text().splitlines()
+    eng = next(ln for ln in lines if "Engine 000: Avg prompt throughput: 77.4" in ln)
+    kind, fields = classify_message(eng.split("] ", 1)[1])
+    assert kind == "engine_stats" and fields["prefix_hit_rate"] is None and fields["external_hit_rate"] == 34.8
+    kv = next(ln for ln in lines if "Num KV expired reqs=1" in ln)
+    kind, fields = classify_message(kv.split("] ", 1)[1])
+    assert kind == "kv_metrics" and fields["Num successful transfers"] == "0" and fields["Num failed transfers"] == "0"
+    plan = next(ln for ln in lines if "Transfer plan:" in ln)
+    assert classify_message(plan.split("] ", 1)[1]) == ("transfer_plan", {
+        "tp_ratio": 1, "num_kv_heads": 8, "local_tp": 1, "remote_tp": 1, "remote_pp": 0, "local_dcp": 1,
+        "remote_dcp": 1, "local_rank": 0, "remote_block_len": 131072})
+    cfg = next(ln for ln in lines if "with config:" in ln)
+    kind, fields = classify_message(cfg.split("] ", 1)[1])
+    assert kind == "engine_config" and fields["prefix_caching"] is False and fields["version"] == "0.33.0"
+
+
+def test_the_cli_prints_window_verdicts() -> None:
+    res = CliRunner().invoke(cli, ["explain", "--all", "--json", "--no-progress", *(str(RUN / f) for f in FILES)])
+    assert res.exit_code == 0, res.output
+    counts = json.loads(res.stdout)["verdict_counts"]
+    assert counts["remote_hit"] == sum(1 for v in TRUTH.values() if v == "remote_hit")
+
+
+@pytest.mark.vllm
+def test_fixture_is_what_vllm_writes(tmp_path: Path) -> None:
+    """The committed fixture equals what the generator makes with the installed vLLM."""
+    subprocess.run([sys.executable, str(FIXTURES / "make_real_vllm_info.py"), str(tmp_path / "real_vllm_info")],
+                   check=True, capture_output=True, timeout=300)
+    for name in (*FILES, "bench.console.log"):
+        assert (tmp_path / "real_vllm_info" / name).read_text() == (RUN / name).read_text(), name
+    assert (tmp_path / "real_vllm_info.truth.json").read_text() == (FIXTURES / "real_vllm_info.truth.json").read_text()
