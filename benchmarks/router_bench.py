@@ -2,8 +2,11 @@
 
 Starts an emulated P and D with zero model delay (``kvdiag sim ... --time-scale 0``) and the router
 (``kvdiag router``, uvloop, events file on) as subprocesses, then drives multi-turn conversations
-with aiohttp. The *direct* client does what the example proxy does (P non-streaming with the
-previous turn's D handle, then D streaming, capture D's handle); the *router* client sends one
+with aiohttp. Conversations take turns among three stream kinds (``--streams``): plain content,
+a reasoning trace then content (reasoning deltas, as vLLM 0.33 with a reasoning parser streams
+them), and a tool call (tool_calls deltas, the agent sending the call and its result back). The
+*direct* client does what the example proxy does (P non-streaming with the previous turn's D
+handle, then D streaming, capture D's handle); the *router* client sends one
 streaming request with a ``conversation_id``. Direct and routed turns are interleaved so both see
 the same machine load. Added latency = routed percentile − direct percentile (turn start to the
 last byte). CPU per turn is the router process's user+system time over the phase ÷ turns.
@@ -13,6 +16,7 @@ Usage::
     .venv/bin/python benchmarks/router_bench.py            # all phases, ~1-2 min
     .venv/bin/python benchmarks/router_bench.py --quick    # shorter phases
     .venv/bin/python benchmarks/router_bench.py --json out.json
+    .venv/bin/python benchmarks/router_bench.py --streams plain   # the earlier, content-only traffic
 """
 
 from __future__ import annotations
@@ -41,14 +45,32 @@ KVDIAG = str(VENV_BIN / "kvdiag")
 CHAT = "/v1/chat/completions"
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
         "remote_host": None, "remote_port": None}
-MAX_TOKENS = 16
+MAX_TOKENS = 16  # content (and reasoning, and tool-argument) frames per kind of reply
 TURNS_PER_CONVERSATION = 5
+STREAM_KINDS = ("plain", "reasoning", "tool")
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a term up.",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+# The emulated engines' request hint (vLLM ignores unknown fields): what the model writes per kind.
+SIM_HINTS = {"plain": None, "reasoning": {"reasoning_tokens": MAX_TOKENS, "content_tokens": MAX_TOKENS},
+             "tool": {"tool_calls": 1, "tool_arg_tokens": MAX_TOKENS}}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------- stub backend
 def _stub_frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _stub_deltas(kind: str) -> list[dict[str, Any]]:
+    """The deltas vLLM 0.33 streams for one reply of ``kind`` (reasoning parser, hermes tool parser)."""
+    if kind == "reasoning":
+        return [{"reasoning": f" r{i}"} for i in range(MAX_TOKENS)] + [{"content": f" t{i}"} for i in range(MAX_TOKENS)]
+    if kind == "tool":
+        start = {"tool_calls": [{"id": "chatcmpl-tool-0123456789abcdef", "type": "function", "index": 0,
+                                 "function": {"name": "lookup", "arguments": ""}}]}
+        args = ['{"q": "'] + [f"w{i} " for i in range(MAX_TOKENS - 2)] + ['"}']
+        return [start] + [{"tool_calls": [{"index": 0, "function": {"arguments": a}}]} for a in args]
+    return [{"content": f" t{i}"} for i in range(MAX_TOKENS)]
 
 
 async def _serve_stub(ready: Path) -> None:
@@ -62,29 +84,42 @@ async def _serve_stub(ready: Path) -> None:
         rid = request.headers.get("X-Request-Id", "x")
         counter["n"] += 1
         if not body.get("stream"):
-            params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
-                      "remote_engine_id": "stub-p", "remote_request_id": f"chatcmpl-{rid}-00000000",
-                      "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1, "remote_num_tokens": 40}
+            prompt = 40 * (1 + len(body.get("messages", [])))
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_block_ids": [list(range(-(-prompt // 16)))], "remote_engine_id": "stub-p",
+                      "remote_request_id": f"chatcmpl-{rid}-00000000", "remote_host": "127.0.0.1", "remote_port": 1,
+                      "tp_size": 1, "remote_num_tokens": prompt}
             return web.json_response({"id": f"chatcmpl-{rid}", "object": "chat.completion", "model": "m",
                                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
                                                    "finish_reason": "length"}],
-                                      "usage": {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+                                      "usage": {"prompt_tokens": prompt, "completion_tokens": 1,
+                                                "total_tokens": prompt + 1,
                                                 "prompt_tokens_details": {"cached_tokens": 0}},
                                       "kv_transfer_params": params})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "model": "m"}
+        # vLLM 0.33's layout: every token frame names finish_reason, token_ids and kv_transfer_params (null).
+        head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": 1733000000,
+                "model": "Qwen/Qwen3-32B"}
         await resp.write(_stub_frame({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                          "finish_reason": None}]}))
-        for i in range(MAX_TOKENS):
-            await resp.write(_stub_frame({**head, "choices": [{"index": 0, "delta": {"content": f" t{i}"},
-                                                              "finish_reason": None}]}))
-        final = {**head, "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "length"}],
+                                                          "logprobs": None, "finish_reason": None}],
+                                      "prompt_token_ids": None, "prompt_text": None}))
+        kind = body.get("kvdiag_bench_kind", "plain")
+        for delta in _stub_deltas(kind):
+            await resp.write(_stub_frame({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                              "finish_reason": None, "token_ids": None}],
+                                          "kv_transfer_params": None}))
+        prompt = 40 * (1 + len(body.get("messages", [])))
+        num = prompt + 3 * MAX_TOKENS
+        final = {**head, "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                      "finish_reason": "tool_calls" if kind == "tool" else "stop", "stop_reason": None,
+                                      "token_ids": None, "weight_versions": None}],
                  "kv_transfer_params": {"do_remote_prefill": False, "do_remote_decode": True,
-                                        "remote_block_ids": [[4, 5, 6]], "remote_engine_id": "stub-d",
+                                        "remote_block_ids": [list(range(-(-num // 16)))], "remote_engine_id": "stub-d",
                                         "remote_request_id": f"chatcmpl-{rid}-11111111", "remote_host": "127.0.0.1",
-                                        "remote_port": 2, "tp_size": 1, "remote_num_tokens": 57,
-                                        "remote_blocks_expiry_time": 1e9}}
+                                        "remote_port": 2, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                                        "remote_num_tokens": num, "remote_blocks_expiry_time": 1e9,
+                                        "remote_registration_generation": 1, "transfer_mode": "pull"}}
         await resp.write(_stub_frame(final))
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -126,7 +161,9 @@ def processes(tmp: Path, backend: str) -> Iterator[dict[str, Any]]:
             for role in ("prefill", "decode"):
                 ready = tmp / f"{role}.ready"
                 procs.append(_spawn([KVDIAG, "sim", role, "--port", "0", "--ready-file", str(ready), "--time-scale",
-                                     "0", "--mode", "instrumented", "--no-prefix-caching", "--num-blocks", "200000"],
+                                     "0", "--mode", "instrumented", "--no-prefix-caching", "--num-blocks", "200000",
+                                     "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                                     "--enable-auto-tool-choice"],
                                     ready, tmp / f"{role}.out"))
                 info[role] = json.loads(ready.read_text())
         else:
@@ -162,56 +199,91 @@ def cpu_seconds(pid: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- clients
+STREAMS = list(STREAM_KINDS)  # set from --streams
+
+
 @dataclass
 class Conversation:
     cid: str
     messages: list[dict[str, Any]]
+    kind: str = "plain"
     handle: dict[str, Any] | None = None
     turns: int = 0
 
 
 def _new_conversation(n: int) -> Conversation:
     return Conversation(f"bench-{n}-{random.getrandbits(32):08x}",
-                        [{"role": "user", "content": f"Conversation {n}: summarise the design of a router. " * 4}])
+                        [{"role": "user", "content": f"Conversation {n}: summarise the design of a router. " * 4}],
+                        STREAMS[n % len(STREAMS)])
 
 
-def _advance(conv: Conversation, reply: str) -> None:
+def _advance(conv: Conversation, reply: dict[str, Any]) -> None:
     conv.turns += 1
     if conv.turns >= TURNS_PER_CONVERSATION:
-        conv.messages, conv.handle, conv.turns = _new_conversation(random.getrandbits(20)).messages, None, 0
+        fresh = _new_conversation(random.getrandbits(20))
+        conv.messages, conv.kind, conv.handle, conv.turns = fresh.messages, fresh.kind, None, 0
         conv.cid = f"bench-{random.getrandbits(48):012x}"
         return
-    conv.messages = [*conv.messages, {"role": "assistant", "content": reply},
-                     {"role": "user", "content": f"turn {conv.turns + 1}: go on"}]
+    # What an agent sends back: the content (reasoning dropped), or the tool call and its result.
+    message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
+    if reply["tool_calls"]:
+        message["content"] = reply["content"] or None
+        message["tool_calls"] = reply["tool_calls"]
+        follow = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "lookup result " * 8}
+    else:
+        follow = {"role": "user", "content": f"turn {conv.turns + 1}: go on"}
+    conv.messages = [*conv.messages, message, follow]
 
 
-def _parse_stream(raw: bytes) -> tuple[str, dict[str, Any] | None]:
-    text, params = "", None
+def _body(conv: Conversation, backend: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "stream": True,
+                            "max_tokens": 4 * MAX_TOKENS}
+    if conv.kind == "tool":
+        body["tools"] = TOOLS
+        body["tool_choice"] = "auto"
+    if backend == "sim":
+        if SIM_HINTS[conv.kind] is not None:
+            body["kvdiag_sim"] = SIM_HINTS[conv.kind]
+        else:
+            body["max_tokens"] = MAX_TOKENS
+    else:
+        body["kvdiag_bench_kind"] = conv.kind
+    return body
+
+
+def _parse_stream(raw: bytes) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    text, params, calls = "", None, {}
     for frame in raw.split(b"\n\n"):
         if not frame.startswith(b"data: {"):
             continue
-        if b"kv_transfer_params" in frame:
-            params = json.loads(frame[6:]).get("kv_transfer_params")
-        else:
-            obj = json.loads(frame[6:])
-            for ch in obj.get("choices", []):
-                text += (ch.get("delta") or {}).get("content") or ""
-    return text, params
+        obj = json.loads(frame[6:])
+        if obj.get("kv_transfer_params"):
+            params = obj["kv_transfer_params"]
+        for ch in obj.get("choices", []):
+            delta = ch.get("delta") or {}
+            text += delta.get("content") or ""
+            for tc in delta.get("tool_calls") or []:
+                slot = calls.setdefault(tc.get("index", 0), {"id": None, "type": "function",
+                                                             "function": {"name": "", "arguments": ""}})
+                slot["id"] = slot["id"] or tc.get("id")
+                fn = tc.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+    return {"content": text, "tool_calls": [calls[i] for i in sorted(calls)]}, params
 
 
-async def direct_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, conv: Conversation) -> float:
+async def direct_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, conv: Conversation,
+                      backend: str) -> float:
     """The example proxy's work done by the client: P then D, carrying D's handle. Returns seconds."""
     started = time.perf_counter()
     rid = os.urandom(16).hex()
     params = dict(conv.handle, do_remote_decode=True, do_remote_prefill=False) if conv.handle else dict(MISS)
-    body = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": params}
+    body = {**_body(conv, backend), "max_tokens": 1, "stream": False, "kv_transfer_params": params}
     async with session.post(p_url + CHAT, json=body, headers={"X-Request-Id": rid}) as resp:
         p_body = await resp.json()
     p_params = dict(p_body.get("kv_transfer_params") or {})
     p_params.pop("kvdiag", None)
-    body = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "max_tokens": MAX_TOKENS, "stream": True,
-            "kv_transfer_params": p_params}
+    body = {**_body(conv, backend), "kv_transfer_params": p_params}
     async with session.post(d_url + CHAT, json=body, headers={"X-Request-Id": rid}) as resp:
         raw = await resp.read()
     elapsed = time.perf_counter() - started
@@ -220,11 +292,10 @@ async def direct_turn(session: aiohttp.ClientSession, p_url: str, d_url: str, co
     return elapsed
 
 
-async def router_turn(session: aiohttp.ClientSession, r_url: str, conv: Conversation) -> float:
+async def router_turn(session: aiohttp.ClientSession, r_url: str, conv: Conversation, backend: str) -> float:
     """One streaming turn through the router. Returns seconds."""
     started = time.perf_counter()
-    body = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "max_tokens": MAX_TOKENS, "stream": True,
-            "conversation_id": conv.cid}
+    body = {**_body(conv, backend), "conversation_id": conv.cid}
     async with session.post(r_url + CHAT, json=body) as resp:
         raw = await resp.read()
         if resp.status != 200:
@@ -362,10 +433,10 @@ async def bench(args: argparse.Namespace, info: dict[str, Any], backend: str) ->
 
     async with aiohttp.ClientSession(connector=connector) as session:
         def run_direct(conv: Conversation) -> Awaitable[float]:
-            return direct_turn(session, p_url, d_url, conv)
+            return direct_turn(session, p_url, d_url, conv, backend)
 
         def run_routed(conv: Conversation) -> Awaitable[float]:
-            return router_turn(session, r_url, conv)
+            return router_turn(session, r_url, conv, backend)
 
         await open_loop(Phase("warmup"), 50, 2 * scale, run_direct, run_routed, pid)
         await asyncio.sleep(0.3)
@@ -400,6 +471,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=("sim", "stub", "both"), default="both",
                         help="sim: the emulated engines (zero delay); stub: canned P/D to isolate the router")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--streams", default=",".join(STREAM_KINDS),
+                        help="reply kinds, comma-separated, taken in turn by the conversations: plain, reasoning, tool")
     parser.add_argument("--serve-stub", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
@@ -410,13 +483,18 @@ def main() -> None:
     if args.serve_stub is not None:
         runner(_serve_stub(args.serve_stub))
         return
+    kinds = [k.strip() for k in args.streams.split(",") if k.strip()]
+    if not kinds or any(k not in STREAM_KINDS for k in kinds):
+        parser.error(f"--streams: use some of {', '.join(STREAM_KINDS)}")
+    STREAMS[:] = kinds
     results: list[dict[str, Any]] = []
     backends = ("sim", "stub") if args.backend == "both" else (args.backend,)
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix="kvdiag-router-bench-") as tmp, processes(Path(tmp), backend) as info:
             results += runner(bench(args, info, backend))
     cpu = [r["router_cpu_ms_per_turn"] for r in results if r.get("router_cpu_ms_per_turn")]
-    meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+    meta = {"streams": kinds, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "machine": platform.machine(),
             "loadavg_at_end": os.getloadavg(), "median_router_cpu_ms_per_turn": statistics.median(cpu) if cpu else None}
     print(json.dumps(meta))
     if args.json:

@@ -29,15 +29,14 @@ _LIT: Final = rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # a JSON string (unrolled: fast 
 # tool call, a refusal, several fields) leaves the content groups empty and sends the stream to the
 # frame-by-frame parser.
 _DELTA: Final = re.compile(rb'"delta": ?(?:\{(?:"role": ?"assistant", ?)?"(content|reasoning|reasoning_content)": ?('
-                           + _LIT + rb")\}|)")
+                           + _LIT + rb')\}|\{"(tool_calls|function_call|refusal)": ?[\[\{"]|)')
 _TEXT: Final = re.compile(rb'"text": ?(' + _LIT + rb")")
 _TOKEN_IDS: Final = re.compile(rb'"token_ids": ?(null|\[[\d, ]*\])')
 _PARAMS_MARKERS: Final = (b'"kv_transfer_params"', b'"finish_reason":"', b'"finish_reason": "', b'"error"')
 # What makes a frame more than output; such frames open (prompt ids) and close (finish, params,
 # usage, errors) a stream.
-_EDGE_MARKERS: Final = (b'"finish_reason":"', b'"finish_reason": "', b'"kv_transfer_params":{',
-                        b'"kv_transfer_params": {', b'"usage":{', b'"usage": {', b'"error"', b'"prompt_token_ids":[',
-                        b'"prompt_token_ids": [', b'"stop_reason":', b'"stop_reason": ')
+_EDGE: Final = re.compile(rb'"(?:finish_reason": ?"|kv_transfer_params": ?\{|usage": ?\{|error"|prompt_token_ids": ?\['
+                          rb'|stop_reason":)')
 _EDGE_FRAMES: Final = 4  # frames at the end of a stream that may carry them
 
 
@@ -182,8 +181,11 @@ def parse_stream(data: bytes, *, chat: bool = True, single_choice: bool = True, 
         cut = data.find(b"\n\n")
         data = data[cut + 2:] if cut >= 0 else b""
     if chat:
-        deltas = _DELTA.findall(data)
-        simple = all(key for key, _ in deltas)
+        # (key, literal, part): a one-field text delta, or a delta that opens with a tool call,
+        # function call or refusal (recorded as that part; its text is never needed).
+        found = _DELTA.findall(data)
+        simple = all(key or part for key, _, part in found)
+        deltas = [(key or part, lit) for key, lit, part in found]
         literals = [lit for key, lit in deltas if key == b"content"]
         count = len(deltas)
     else:
@@ -218,7 +220,7 @@ def parse_stream(data: bytes, *, chat: bool = True, single_choice: bool = True, 
         _parse_frames(out, [data], content=False)
         return out
     tail = data[first + 2:].rsplit(b"\n\n", _EDGE_FRAMES + 1)[-_EDGE_FRAMES - 1:]
-    edges = [f for f in (data[:first], *tail) if any(marker in f for marker in _EDGE_MARKERS)]
+    edges = [f for f in (data[:first], *tail) if _EDGE.search(f)]
     _parse_frames(out, edges, content=False)
     return out
 

@@ -55,19 +55,25 @@ class SSECapture:
         """Record one read of the stream (any size, any split)."""
         if not self._scanning or not chunk:
             return
-        start = len(self._buf)
-        self._buf += chunk
-        boundary = self._buf.rfind(b"\n\n", max(start - 1, 0))
-        if boundary >= 0:
-            self._frame_start = boundary + 2
-        if len(self._buf) - self._frame_start > self._max_frame:
-            self._scanning = False
-            self._buf = bytearray()
-            self.observed = Observed(malformed=f"an SSE frame exceeded {self._max_frame} bytes", unreadable=True)
-            return
-        if len(self._buf) > self._max_record:
-            self._roll()
-        if has_done(self._buf, max(start - len(_DONE) - 8, 0)):
+        buf = self._buf
+        start = len(buf)
+        buf += chunk
+        if len(buf) - self._frame_start > self._max_frame:
+            # Only now look for the last frame boundary: a frame longer than the bound is malformed.
+            boundary = buf.rfind(b"\n\n", self._frame_start)
+            if boundary >= 0:
+                self._frame_start = boundary + 2
+            if len(buf) - self._frame_start > self._max_frame:
+                self._scanning = False
+                self._buf = bytearray()
+                self.observed = Observed(malformed=f"an SSE frame exceeded {self._max_frame} bytes",
+                                         unreadable=True)
+                return
+            if len(buf) > self._max_record:
+                self._roll()
+                start = 0
+        pos = self._buf.find(_DONE, start - len(_DONE) if start > len(_DONE) else 0)
+        if pos >= 0 and has_done(self._buf, pos):
             self._finish()
 
     def _roll(self) -> None:
