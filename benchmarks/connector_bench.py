@@ -1,14 +1,17 @@
 """Scheduler step time with vLLM's NixlConnector vs kvdiag's KVDiagNixlConnector (real vLLM 0.33.0, CPU).
 
     .venv/bin/python benchmarks/connector_bench.py [--requests 400] [--rounds 5] [--json]
+        [--mismatch-every 4] [--kvdiag-extra '{"kvdiag_pull_matching_prefix": false}']
 
 Both runs drive vLLM's real v1 Scheduler (tests/vllm_harness/engine.py: OPT-125m shape, block size
 32, prefix caching on) through the same bidirectional P/D workload, as one engine serving both
-roles: P requests (``do_remote_decode``, turn 2 carries a D handle so P pulls), D requests
-(``do_remote_prefill``, then retention under ``decoder_kv_blocks_ttl``), with the connector
-output a worker would report (finished_recving / finished_sending) fed back each step. Only the
-connector class differs. Timed: ``schedule()`` + ``update_from_output()`` per step, which is where
-every scheduler-side hook of the connector runs. Both engines run in lockstep in one process, step
+roles: P requests (``do_remote_decode``, turn 2 carries a D handle so P pulls; the handle carries
+the block-hash digest a kvdiag D returns, and every ``--mismatch-every``-th one diverges from the
+prompt in block 3, so exact mode shrinks it), D requests (``do_remote_prefill``, then retention
+under ``decoder_kv_blocks_ttl``), with the connector output a worker would report
+(finished_recving / finished_sending) fed back each step. Only the connector class differs.
+Timed: ``schedule()`` + ``update_from_output()`` per step, which is where every scheduler-side
+hook of the connector runs. Both engines run in lockstep in one process, step
 i of each doing the same work, so the machine's load hits both sides of each pair alike; the figure
 is the median of the pairwise step-time ratios (and the per-round means for reference).
 """
@@ -40,17 +43,40 @@ def _fake_handle(i: int, tokens: int) -> dict[str, Any]:
             "remote_num_tokens": tokens}
 
 
+def _digest(eng: Engine, prompt: list[int], tokens: int, diverge: bool) -> dict[str, Any]:
+    """The kvdiag_digest a D holding ``tokens`` tokens of this sequence returns (``diverge``: block 3 edited)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvdiag.instrumentation.report import make_digest
+
+    held = list(prompt[:tokens])
+    if diverge:
+        held[3 * BLOCK_SIZE + 5] = 1
+    req = Request(request_id="digest", prompt_token_ids=held, sampling_params=SamplingParams(max_tokens=1),
+                  pooling_params=None, block_hasher=eng.block_hasher)
+    full = tokens // BLOCK_SIZE
+    try:
+        return dict(make_digest(req.block_hashes, BLOCK_SIZE, full, held[full * BLOCK_SIZE:tokens]))
+    except TypeError:   # a connector from before the end checkpoint (comparing with an older commit)
+        return dict(make_digest(req.block_hashes, BLOCK_SIZE, full))
+
+
 class Driver:
     """One engine (one connector class) and its copy of the workload, stepped on demand."""
 
-    def __init__(self, connector: str, requests: int, work: Path, events: bool = False) -> None:
+    def __init__(self, connector: str, requests: int, work: Path, events: bool = False, mismatch_every: int = 4,
+                 kvdiag_extra: dict[str, Any] | None = None) -> None:
         extra: dict[str, Any] = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 64}
-        if events and connector == CONNECTOR:
-            extra["kvdiag_events_file"] = str(work / "events.jsonl")
+        if connector == CONNECTOR:
+            extra.update(kvdiag_extra or {})
+            if events:
+                extra["kvdiag_events_file"] = str(work / "events.jsonl")
         self.eng = Engine("B", write_model_dir(work / "opt"), work, writer_tag=1, num_blocks=4096, extra=extra,
                           prefix_caching=True, connector=connector, with_worker=False)
         os.sched_setaffinity(0, _AFFINITY)
         self.requests = requests
+        self.mismatch_every = mismatch_every
         self.added = self.finished = 0
         self.recv_next: set[str] = set()
         self.recv_reported: set[str] = set()
@@ -71,7 +97,9 @@ class Driver:
             i = self.added
             prompt = [(7 * i + k) % 50000 + 1 for k in range(PROMPT)]
             if i % 2 == 0:   # P: turn 2 with a D handle (pull), the odd ones are D's
-                params = {"do_remote_decode": True, "do_remote_prefill": False, **_fake_handle(i, PROMPT - 16)}
+                diverge = self.mismatch_every > 0 and (i // 2) % self.mismatch_every == 0
+                params = {"do_remote_decode": True, "do_remote_prefill": False, **_fake_handle(i, PROMPT - 16),
+                          "kvdiag_digest": _digest(self.eng, prompt, PROMPT - 16, diverge)}
                 self.eng.add(f"p-{i}", prompt, max_tokens=1, kv_transfer_params=params)
             else:
                 params = {"do_remote_prefill": True, "do_remote_decode": False, **_fake_handle(i, PROMPT)}
@@ -100,13 +128,14 @@ class Driver:
                         self.held.append(out.request_id)
 
 
-def run_pair(requests: int, work: Path, freeze: bool = True,
-             events: bool = False) -> dict[str, dict[str, list[float]]]:
+def run_pair(requests: int, work: Path, freeze: bool = True, events: bool = False, mismatch_every: int = 4,
+             kvdiag_extra: dict[str, Any] | None = None) -> dict[str, dict[str, list[float]]]:
     """Both connectors in lockstep, step for step (alternating who goes first): the machine's load
     hits both sides of each comparison alike."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    plain, kvdiag = Driver(PLAIN_CONNECTOR, requests, work), Driver(CONNECTOR, requests, work, events)
+    plain = Driver(PLAIN_CONNECTOR, requests, work, mismatch_every=mismatch_every)
+    kvdiag = Driver(CONNECTOR, requests, work, events, mismatch_every, kvdiag_extra)
     if freeze:
         freeze_gc_heap()   # as vLLM's EngineCore does after init: static objects leave the GC's scans
     for n in range(requests * 100):   # bounded: a stuck workload fails loudly instead of spinning
@@ -159,22 +188,27 @@ def main() -> int:
                         help="skip vLLM's post-init gc freeze (freeze_gc_heap), which EngineCore does")
     parser.add_argument("--events", action="store_true",
                         help="give the kvdiag connector an events file (JSON is written on the sink's thread)")
+    parser.add_argument("--mismatch-every", type=int, default=4,
+                        help="every N-th P handle's digest diverges from the prompt (0: none)")
+    parser.add_argument("--kvdiag-extra", type=json.loads, default={},
+                        help="extra kv_connector_extra_config for the kvdiag connector, as JSON")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvdiag-connector-bench-"))
     freeze = not args.no_gc_freeze
-    run_pair(20, work, freeze, args.events)   # warm-up: imports, first-call caches
-    rounds = [run_pair(args.requests, work, freeze, args.events) for _ in range(args.rounds)]
+    opts = {"events": args.events, "mismatch_every": args.mismatch_every, "kvdiag_extra": args.kvdiag_extra}
+    run_pair(20, work, freeze, **opts)   # warm-up: imports, first-call caches
+    rounds = [run_pair(args.requests, work, freeze, **opts) for _ in range(args.rounds)]
     steps = len(rounds[-1]["wall"][CONNECTOR])
     summary: dict[str, Any] = {"requests": args.requests, "rounds": args.rounds, "steps_per_round": steps,
-                               "gc_freeze": freeze, "events": args.events, "forward_ms": args.forward_ms}
+                               "gc_freeze": freeze, "forward_ms": args.forward_ms, **opts}
     for clock in ("cpu", "wall"):
         summary[clock] = _figures([r[clock] for r in rounds], args.requests, steps, args.forward_ms)
     if args.json:
         print(json.dumps(summary))
         return 0
     print(f"requests={args.requests} rounds={args.rounds} steps/round={steps} gc_freeze={freeze} "
-          f"events={args.events}")
+          f"events={args.events} mismatch_every={args.mismatch_every} kvdiag_extra={args.kvdiag_extra}")
     for clock, label in (("cpu", "thread CPU time"), ("wall", "wall clock")):
         f = summary[clock]
         print(f"[{label}] NixlConnector {f['plain_step_ms']:.4f} ms/step, KVDiagNixlConnector "

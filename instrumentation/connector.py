@@ -223,7 +223,7 @@ class KVDiagNixlConnector(NixlConnector):  # type: ignore[misc]
                     pulling_from_d = not params.get("_remote_blocks_processed")
                     # vLLM 0.33 re-matches a processed handle (after a failed or declined read under
                     # kv_load_failure_policy=recompute) but posts no read for it: the request would wait
-                    # in WAITING_FOR_REMOTE_KVS forever (vllm-bidir-observed.md F1).
+                    # in WAITING_FOR_REMOTE_KVS forever (docs/connector.md, "A request vLLM never finishes").
                     never_posted = not pulling_from_d and not self.connector_scheduler.use_host_buffer
         except Exception as exc:
             self.kvdiag_guard.caught(exc)

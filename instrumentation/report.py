@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -157,8 +158,9 @@ MAX_CHECKPOINTS: Final = 256     # bounds the params size whatever the sequence 
 
 def tail_hash(parent: bytes, tokens: Sequence[int]) -> str:
     """The digest's end checkpoint: the last full block's hash chained with the tokens after it."""
-    data = bytes(parent) + b"|" + ",".join(map(str, tokens)).encode()
-    return hashlib.sha256(data).digest()[:DIGEST_BYTES].hex()
+    h = hashlib.sha256(parent)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()[:DIGEST_BYTES].hex()
 
 
 def make_digest(block_hashes: Sequence[bytes], block_size: int, count: int | None = None,
@@ -174,7 +176,7 @@ def make_digest(block_hashes: Sequence[bytes], block_size: int, count: int | Non
     """
     n = len(block_hashes) if count is None else max(0, min(count, len(block_hashes)))
     stride = max(1, -(-n // MAX_CHECKPOINTS))
-    checkpoints = [bytes(h[:DIGEST_BYTES]).hex() for h in block_hashes[stride - 1:n:stride]]
+    checkpoints = [h[:DIGEST_BYTES].hex() for h in block_hashes[stride - 1:n:stride]]
     digest: dict[str, Any] = {"block_size": block_size, "stride": stride, "blocks": n, "h": checkpoints}
     if tail is not None and n >= 1 and len(tail) < block_size:
         digest["tail"] = {"n": len(tail), "h": tail_hash(block_hashes[n - 1], tail)}
@@ -185,38 +187,38 @@ class DigestError(ValueError):
     """A digest received in kv_transfer_params is malformed (client-supplied: never trusted)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Digest:
-    block_size: int
-    stride: int
-    blocks: int
-    hashes: list[str]
-    tail_tokens: int | None = None
-    tail: str | None = None
+# A parsed digest: (block_size, stride, blocks, checkpoints as bytes, tail tokens or -1, tail hex or "").
+_Digest = tuple[int, int, int, bytes, int, str]
+_MAX_FIELD: Final = 10_000_000
 
 
 def _parse_digest(obj: Any) -> _Digest:
-    if not isinstance(obj, dict):
+    # Runs once per P request with a handle: plain type checks, one join and one hex decode.
+    if type(obj) is not dict:
         raise DigestError("digest must be an object")
     block_size, stride, blocks, hashes = obj.get("block_size"), obj.get("stride"), obj.get("blocks"), obj.get("h")
     for name, value in (("block_size", block_size), ("stride", stride), ("blocks", blocks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 10_000_000:
+        if type(value) is not int or not 0 <= value <= _MAX_FIELD:
             raise DigestError(f"digest field {name!r} must be a small non-negative integer")
-    if not isinstance(hashes, list) or len(hashes) > MAX_CHECKPOINTS:
+    if type(hashes) is not list or len(hashes) > MAX_CHECKPOINTS:
         raise DigestError(f"digest field 'h' must be a list of at most {MAX_CHECKPOINTS} strings")
-    if not all(isinstance(h, str) and len(h) == 2 * DIGEST_BYTES for h in hashes):
+    try:
+        raw = bytes.fromhex("".join(hashes))
+    except (TypeError, ValueError):
+        raw = b""
+    if len(raw) != DIGEST_BYTES * len(hashes) or (hashes and set(map(len, hashes)) != {2 * DIGEST_BYTES}):
         raise DigestError("digest checkpoints must be hex strings of 8 characters")
     assert isinstance(block_size, int) and isinstance(stride, int) and isinstance(blocks, int)
     if stride < 1 or len(hashes) != blocks // stride:
         raise DigestError("digest checkpoint count does not match blocks/stride")
     tail = obj.get("tail")
     if tail is None:
-        return _Digest(block_size, stride, blocks, hashes)
-    n, h = (tail.get("n"), tail.get("h")) if isinstance(tail, dict) else (None, None)
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < block_size or blocks < 1 \
-            or not isinstance(h, str) or len(h) != 2 * DIGEST_BYTES:
+        return block_size, stride, blocks, raw, -1, ""
+    n, h = (tail.get("n"), tail.get("h")) if type(tail) is dict else (None, None)
+    if type(n) is not int or not 0 <= n < block_size or blocks < 1 or type(h) is not str \
+            or len(h) != 2 * DIGEST_BYTES:
         raise DigestError("digest field 'tail' must be {\"n\": tokens below block_size, \"h\": 8 hex characters}")
-    return _Digest(block_size, stride, blocks, hashes, n, h)
+    return block_size, stride, blocks, raw, n, h
 
 
 def first_mismatch(digest: Any, prompt_hashes: Sequence[bytes], block_size: int) -> tuple[int | None, int]:
@@ -226,25 +228,26 @@ def first_mismatch(digest: Any, prompt_hashes: Sequence[bytes], block_size: int)
     known to differ, and how many leading blocks are known to match (a multiple of the stride).
     Only the blocks both sides hold are compared. Raises DigestError on a malformed digest.
     """
-    d = _parse_digest(digest)
-    if d.block_size != block_size:
-        raise DigestError(f"digest block_size {d.block_size} differs from P's {block_size}")
-    return _compare(d, prompt_hashes, len(prompt_hashes))
+    d_block_size, stride, _blocks, raw, _n, _h = _parse_digest(digest)
+    if d_block_size != block_size:
+        raise DigestError(f"digest block_size {d_block_size} differs from P's {block_size}")
+    return _compare(stride, raw, prompt_hashes, len(prompt_hashes))
 
 
-def _compare(d: _Digest, prompt_hashes: Sequence[bytes], limit: int) -> tuple[int | None, int]:
-    matched = 0
-    for k, checkpoint in enumerate(d.hashes):
-        index = (k + 1) * d.stride - 1
-        if index >= limit:
-            break
-        if bytes(prompt_hashes[index])[:DIGEST_BYTES].hex() != checkpoint:
-            return matched, matched
-        matched = index + 1
-    return None, matched
+def _compare(stride: int, raw: bytes, prompt_hashes: Sequence[bytes], limit: int) -> tuple[int | None, int]:
+    """Checkpoints of blocks below ``limit``: (first block not proven on a difference, matched blocks)."""
+    indices = range(stride - 1, min(limit, len(raw) // DIGEST_BYTES * stride), stride)
+    mine = b"".join([prompt_hashes[i][:DIGEST_BYTES] for i in indices])
+    if mine == raw[:len(mine)]:
+        return None, indices[-1] + 1 if indices else 0
+    for k in range(len(indices)):   # find the first differing checkpoint (rare: a real mismatch)
+        at = k * DIGEST_BYTES
+        if mine[at:at + DIGEST_BYTES] != raw[at:at + DIGEST_BYTES]:
+            return k * stride, k * stride
+    raise AssertionError("unreachable: the joined checkpoints differ")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixCheck:
     """What P's block-hash check proved about the tokens a D handle offers."""
 
@@ -274,21 +277,20 @@ def check_prefix(digest: Any, prompt_hashes: Sequence[bytes], prompt_tokens: Seq
     ``prompt_tokens`` None (no token ids, e.g. prompt embeddings) skips the end checkpoint. Raises
     DigestError on a malformed digest or a block size that differs from P's.
     """
-    d = _parse_digest(digest)
-    if d.block_size != block_size:
-        raise DigestError(f"digest block_size {d.block_size} differs from P's {block_size}")
+    d_block_size, stride, blocks, raw, tail_tokens, tail = _parse_digest(digest)
+    if d_block_size != block_size:
+        raise DigestError(f"digest block_size {d_block_size} differs from P's {block_size}")
     prompt_len = len(prompt_tokens) if prompt_tokens is not None else len(prompt_hashes) * block_size
     offered = max(0, min(remote_num_tokens, prompt_len))
-    limit = min(d.blocks, len(prompt_hashes), max(remote_num_tokens, 0) // block_size)
-    mismatch, matched = _compare(d, prompt_hashes, limit)
+    limit = min(blocks, len(prompt_hashes), max(remote_num_tokens, 0) // block_size)
+    mismatch, matched = _compare(stride, raw, prompt_hashes, limit)
     proven = matched * block_size
-    if mismatch is None and d.tail is not None and d.tail_tokens is not None and limit == d.blocks \
-            and prompt_tokens is not None:
-        start = d.blocks * block_size
-        end = start + d.tail_tokens
+    if mismatch is None and tail_tokens >= 0 and limit == blocks and prompt_tokens is not None:
+        start = blocks * block_size
+        end = start + tail_tokens
         if end <= remote_num_tokens and end <= prompt_len:
-            if tail_hash(prompt_hashes[d.blocks - 1], prompt_tokens[start:end]) == d.tail:
-                matched, proven = d.blocks, end
+            if tail_hash(prompt_hashes[blocks - 1], prompt_tokens[start:end]) == tail:
+                matched, proven = blocks, end
             else:
                 mismatch = matched
     return PrefixCheck(offered_tokens=offered, proven_tokens=min(proven, offered), matched_blocks=matched,
