@@ -173,20 +173,20 @@ def test_exact_check_finds_an_edited_history() -> None:
     edited = list(HISTORY)
     edited[70] = -1
     assert check(held(HISTORY), edited + [7] * 31, 139) == (139, 64, 2, 75, 0)
-    assert check(held(HISTORY), [-1] + HISTORY[1:], 139)[1:3] == (0, 0)
+    assert check(held(HISTORY), [-1, *HISTORY[1:]], 139)[1:3] == (0, 0)
 
 
 def test_the_end_checkpoint_proves_the_blocks_past_the_last_stride_checkpoint() -> None:
     tokens = list(range(32 * 1001 + 5))         # 1001 full blocks, stride 4: the last checkpoint is block 999
     digest = held(tokens)
     assert digest["stride"] == 4 and len(digest["h"]) == 250  # type: ignore[arg-type]
-    assert check(digest, tokens + [1], len(tokens)) == (len(tokens), len(tokens), None, 0, 0)
+    assert check(digest, [*tokens, 1], len(tokens)) == (len(tokens), len(tokens), None, 0, 0)
     edited = list(tokens)
     edited[32 * 1000 + 3] = -1                  # block 1000: no stride checkpoint, the end checkpoint catches it
-    assert check(digest, edited + [1], len(tokens))[1:3] == (32 * 1000, 1000)
+    assert check(digest, [*edited, 1], len(tokens))[1:3] == (32 * 1000, 1000)
     # without an end checkpoint (an older D) those blocks stay unproven, never read
     bare = make_digest(hashes(tokens), 32)
-    assert check(bare, tokens + [1], len(tokens)) == (len(tokens), 32 * 1000, None, 0, 32 + 5)
+    assert check(bare, [*tokens, 1], len(tokens)) == (len(tokens), 32 * 1000, None, 0, 32 + 5)
 
 
 @pytest.mark.parametrize("tail", [{"n": 32, "h": "00000000"}, {"n": -1, "h": "00000000"}, {"n": 3},
