@@ -59,6 +59,7 @@ class RequestState:
     role: str = "plain"  # "P", "D" or "plain"
     plan: OutputPlan = field(default_factory=OutputPlan)
     hit_tokens: int = 0
+    block_hashes: list[str] = field(default_factory=list)  # the prompt's chained full-block hashes
     kv: list[int] = field(default_factory=list)  # the token ids this request's KV was computed for, per position
     local_wrong_kv: int = 0  # prefix-cache hits whose blocks hold KV of other ids (loaded wrong earlier)
     block_ids: list[int] = field(default_factory=list)
@@ -261,7 +262,7 @@ class Engine:
     async def _prefill(self, state: RequestState) -> None:
         bs = self.config.block_size
         self.pool.prefix_caching = self.faults.prefix_caching
-        hashes = chain_hashes(state.prompt, bs)
+        hashes = state.block_hashes = chain_hashes(state.prompt, bs)
         hit_blocks = self.pool.match(hashes[:(len(state.prompt) - 1) // bs])
         self.pool.acquire(hit_blocks)
         state.block_ids = list(hit_blocks)

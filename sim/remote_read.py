@@ -140,7 +140,7 @@ def log_failure(engine: Engine, state: RequestState, params: dict[str, Any], fty
 def check_digest(engine: Engine, state: RequestState, params: dict[str, Any], res: ReadResult) -> dict[str, Any]:
     """P's block-hash check of D's handle; in exact mode return the handle cut to the proven prefix."""
     bs = engine.config.block_size
-    prompt_hashes = [bytes.fromhex(h) for h in chain_hashes(state.prompt, bs)]
+    prompt_hashes = [bytes.fromhex(h) for h in state.block_hashes or chain_hashes(state.prompt, bs)]
     try:
         check = check_prefix(params[DIGEST_KEY], prompt_hashes, state.prompt, bs, res.remote_num_tokens)
     except DigestError as exc:

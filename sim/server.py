@@ -143,12 +143,15 @@ async def _stream(request: web.Request, engine: Engine, state: RequestState, req
     ids = req.return_token_ids and not _hide_ids(req)
     parser = StreamParser(req.setup) if req.kind == "chat" else None
     prompt_ids = list(state.prompt) if req.return_token_ids else None
+    finished = False
     try:
         async for tok in engine.generate(state):
             last = len(state.output) == len(state.planned)
             if req.kind == "chat" and len(state.output) == 1:  # vLLM sends the role with the first output
                 await _send(resp, shapes.chat_role_chunk(rid, model, created, prompt_ids))
-            out_params = engine.finish(state) if last else None
+            out_params = None
+            if last:  # the engine finishes the request before the final chunk goes out, as vLLM does
+                out_params, finished = engine.finish(state), True
             if parser is None:
                 text = "" if tok == IM_END else token_text(tok)
                 await _send(resp, shapes.completion_chunk(
@@ -164,10 +167,12 @@ async def _stream(request: web.Request, engine: Engine, state: RequestState, req
             await _send(resp, shapes.chat_chunk(rid, model, created, delta, [tok] if ids else None, finish,
                                                 out_params, with_params))
     except asyncio.CancelledError:
-        engine.finish(state, aborted=True)
+        if not finished:
+            engine.finish(state, aborted=True)
         raise
     except ConnectionError:  # the client went away: vLLM aborts the request (no params, nothing held)
-        engine.finish(state, aborted=True)
+        if not finished:
+            engine.finish(state, aborted=True)
         return resp
     with contextlib.suppress(ConnectionError):
         if req.include_usage:
@@ -206,7 +211,8 @@ def _log_received(engine: Engine, state: RequestState, body: dict[str, Any]) -> 
 def _log_generated(engine: Engine, state: RequestState, suffix: str) -> None:
     if engine.config.enable_log_requests:
         engine.log.log("INFO", "generated_response", vl.MSG_GENERATED_RESPONSE, state.external_id, suffix,
-                       detokenize(state.output), state.output, state.finish_reason, process=vl.API)
+                       detokenize(t for t in state.output if t != IM_END), state.output, state.finish_reason,
+                       process=vl.API)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:

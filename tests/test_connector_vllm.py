@@ -255,8 +255,9 @@ def test_metrics_appear_through_vllms_own_connector_hooks(run: dict[str, Any]) -
 
 
 # Fields only the emulated engine can know: it runs the "model", so it times prefill and the first
-# token; the real connector sees the scheduler, not the forward pass.
-SIM_ONLY_TIMING = {"ttft_ms", "prefill_ms"}
+# token; the real connector sees the scheduler, not the forward pass. Its KV blocks also record the
+# token ids they hold, so it alone can count KV loaded for other ids (wrong_kv_tokens, the oracle).
+SIM_ONLY_TIMING = {"ttft_ms", "prefill_ms", "wrong_kv_tokens"}
 
 
 async def _sim_two_turns(tmp: Path) -> list[TurnEvent]:
