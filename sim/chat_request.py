@@ -164,7 +164,9 @@ def parse_request(config: EngineConfig, body: Any, kind: str) -> ParsedRequest:
                      default_style=config.tool_call_style)
     setup = ParserSetup(reasoning=kind == "chat" and config.reasoning_parser is not None, thinking=thinking,
                         tools=keep_tools, include_reasoning=_bool(body, "include_reasoning", True),
-                        parallel=tools.parallel, reasoning_field=config.reasoning_field)
+                        parallel=tools.parallel, reasoning_field=config.reasoning_field,
+                        configured=kind == "chat" and (config.reasoning_parser is not None
+                                                       or config.tool_call_parser is not None))
     return ParsedRequest(kind, prompt, max_tokens, params, stream=bool(body.get("stream", False)),
                          include_usage=isinstance(opts, dict) and bool(opts.get("include_usage")),
                          seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else 0,

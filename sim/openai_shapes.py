@@ -7,8 +7,8 @@ and ``"kv_transfer_params": null`` (the final chunk carries the params), and the
 ``"prompt_token_ids"`` and ``"prompt_text"``. The usage chunk (empty ``choices``) drops nulls.
 With ``return_token_ids`` the prompt ids come at the top of the chat body (in the choice for
 completions), the output ids in the choice; streamed, the prompt ids ride on the first chunk and
-each chunk carries its own output ids. ``include_reasoning: false`` with a reasoning parser also
-hides the ids.
+each chunk carries its own output ids. ``include_reasoning: false`` on a server with a parser
+(reasoning or tool) also hides the output ids.
 """
 
 from __future__ import annotations

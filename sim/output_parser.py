@@ -51,11 +51,13 @@ class ParserSetup:
     include_reasoning: bool = True
     parallel: bool | None = None  # parallel_tool_calls
     reasoning_field: str = "reasoning"  # vLLM 0.33's name; older releases used reasoning_content
+    configured: bool = False  # the server has a reasoning or a tool parser (whatever the request asks)
 
     @property
     def active(self) -> bool:
-        """True when any parser runs (the final chunk is then ``{}`` rather than ``{"content": ""}``)."""
-        return self.reasoning or self.tools
+        """True when vLLM runs a parser for the request: the final chunk is then ``{}`` rather than
+        ``{"content": ""}``, and ``include_reasoning: false`` also hides the token ids."""
+        return self.configured or self.reasoning or self.tools
 
 
 def new_tool_call_id() -> str:

@@ -57,7 +57,7 @@ def _finish(state: RequestState, req: ParsedRequest, tool_calls_made: bool) -> s
 
 
 def _hide_ids(req: ParsedRequest) -> bool:
-    return req.setup.reasoning and not req.setup.include_reasoning
+    return req.setup.active and not req.setup.include_reasoning
 
 
 def _body(engine: Engine, state: RequestState, req: ParsedRequest, params: dict[str, Any] | None) -> dict[str, Any]:

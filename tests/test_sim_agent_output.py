@@ -106,6 +106,19 @@ async def test_include_reasoning_false_hides_the_trace_that_was_still_generated(
     assert all(c["choices"][0].get("token_ids") is None for c in chunks if c["choices"])
 
 
+async def test_any_server_parser_hides_token_ids_when_reasoning_is_excluded(
+        engines: Factory, session: aiohttp.ClientSession) -> None:
+    body = {"messages": Q, "max_tokens": 4, "include_reasoning": False, "return_token_ids": True}
+    tools_only = await engines(tool_call_parser="hermes")
+    _, full = await _post(session, tools_only.url, body)
+    assert full["choices"][0]["token_ids"] is None and full["prompt_token_ids"] is not None
+    _, chunks = await _post(session, tools_only.url, dict(body, stream=True))
+    assert all(c["choices"][0].get("token_ids") is None for c in chunks) and chunks[0]["prompt_token_ids"]
+    no_parser = await engines()
+    _, full = await _post(session, no_parser.url, body)
+    assert len(full["choices"][0]["token_ids"]) == 4  # include_reasoning means nothing without a parser
+
+
 async def test_enable_thinking_false_writes_no_trace(engines: Factory, session: aiohttp.ClientSession) -> None:
     d = await engines(reasoning_parser="qwen3", reasoning_tokens=5)
     body = {"messages": Q, "max_tokens": 12, "chat_template_kwargs": {"enable_thinking": False},
