@@ -61,6 +61,10 @@ def _stub_frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _stub_prompt_tokens(body: dict[str, Any]) -> int:
+    return 40 * (1 + len(body.get("messages", [])))
+
+
 def _stub_deltas(kind: str) -> list[dict[str, Any]]:
     """The deltas vLLM 0.33 streams for one reply of ``kind`` (reasoning parser, hermes tool parser)."""
     if kind == "reasoning":
@@ -83,8 +87,12 @@ async def _serve_stub(ready: Path) -> None:
         body = await request.json()
         rid = request.headers.get("X-Request-Id", "x")
         counter["n"] += 1
+        if request.path == "/tokenize":
+            n = _stub_prompt_tokens(body)
+            return web.json_response({"count": n, "max_model_len": 131072, "tokens": list(range(n)),
+                                      "token_strs": None})
         if not body.get("stream"):
-            prompt = 40 * (1 + len(body.get("messages", [])))
+            prompt = _stub_prompt_tokens(body)
             params = {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_block_ids": [list(range(-(-prompt // 16)))], "remote_engine_id": "stub-p",
                       "remote_request_id": f"chatcmpl-{rid}-00000000", "remote_host": "127.0.0.1", "remote_port": 1,
@@ -101,19 +109,22 @@ async def _serve_stub(ready: Path) -> None:
         # vLLM 0.33's layout: every token frame names finish_reason, token_ids and kv_transfer_params (null).
         head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": 1733000000,
                 "model": "Qwen/Qwen3-32B"}
+        prompt = _stub_prompt_tokens(body)
+        ids = bool(body.get("return_token_ids"))
         await resp.write(_stub_frame({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                           "logprobs": None, "finish_reason": None}],
-                                      "prompt_token_ids": None, "prompt_text": None}))
+                                      "prompt_token_ids": list(range(prompt)) if ids else None, "prompt_text": None}))
         kind = body.get("kvdiag_bench_kind", "plain")
-        for delta in _stub_deltas(kind):
+        deltas = _stub_deltas(kind)
+        for i, delta in enumerate(deltas):
             await resp.write(_stub_frame({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                              "finish_reason": None, "token_ids": None}],
+                                                              "finish_reason": None,
+                                                              "token_ids": [900_000 + i] if ids else None}],
                                           "kv_transfer_params": None}))
-        prompt = 40 * (1 + len(body.get("messages", [])))
-        num = prompt + 3 * MAX_TOKENS
+        num = prompt + len(deltas)  # D holds KV for every output token but the last
         final = {**head, "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
                                       "finish_reason": "tool_calls" if kind == "tool" else "stop", "stop_reason": None,
-                                      "token_ids": None, "weight_versions": None}],
+                                      "token_ids": [999_999] if ids else None, "weight_versions": None}],
                  "kv_transfer_params": {"do_remote_prefill": False, "do_remote_decode": True,
                                         "remote_block_ids": [list(range(-(-num // 16)))], "remote_engine_id": "stub-d",
                                         "remote_request_id": f"chatcmpl-{rid}-11111111", "remote_host": "127.0.0.1",
@@ -126,6 +137,7 @@ async def _serve_stub(ready: Path) -> None:
 
     app = web.Application()
     app.router.add_post(CHAT, handle)
+    app.router.add_post("/tokenize", handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     ports = []
@@ -153,7 +165,7 @@ def _spawn(args: list[str], ready: Path, log: Path) -> subprocess.Popen[bytes]:
 
 
 @contextlib.contextmanager
-def processes(tmp: Path, backend: str) -> Iterator[dict[str, Any]]:
+def processes(tmp: Path, backend: str, router_flags: list[str]) -> Iterator[dict[str, Any]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         info: dict[str, Any] = {}
@@ -175,7 +187,7 @@ def processes(tmp: Path, backend: str) -> Iterator[dict[str, Any]]:
         router = _spawn([KVDIAG, "router", "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
                          "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(info["prefill"]["port"]),
                          "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(info["decode"]["port"]),
-                         "--events-file", str(tmp / "router-events.jsonl")], ready, tmp / "router.out")
+                         "--events-file", str(tmp / "router-events.jsonl"), *router_flags], ready, tmp / "router.out")
         procs.append(router)
         info["router"] = json.loads(ready.read_text())
         info["router_pid"] = router.pid
@@ -420,10 +432,23 @@ async def bench(args: argparse.Namespace, info: dict[str, Any], backend: str) ->
         await asyncio.sleep(0.3)  # events are flushed every 50 ms by a writer thread
         lines = events.read_text().splitlines() if events.exists() else []
         new, seen["lines"] = lines[seen["lines"]:], len(lines)
-        overhead = sorted(json.loads(line).get("router_overhead_ms", 0.0) for line in new)
+        turns = [json.loads(line) for line in new]
+        overhead = sorted(e.get("router_overhead_ms", 0.0) for e in turns)
         if overhead:
             summary["router_logged_overhead_p50_ms"] = overhead[len(overhead) // 2]
             summary["router_logged_overhead_p99_ms"] = overhead[min(int(0.99 * len(overhead)), len(overhead) - 1)]
+        # What the reuse rule did meanwhile: handles injected whole or cut, and why.
+        later = [e for e in turns if e.get("handle_tokens") is not None]
+        if later:
+            summary["reuse_full"] = sum(1 for e in later if e.get("trimmed_tokens") == 0)
+            reasons: dict[str, int] = {}
+            for e in later:
+                if e.get("trim_reason"):
+                    reasons[e["trim_reason"]] = reasons.get(e["trim_reason"], 0) + 1
+            summary["reuse_trimmed_by_reason"] = reasons
+        tokenize = sorted(e["attrs"]["tokenize_ms"] for e in turns if "tokenize_ms" in e.get("attrs", {}))
+        if tokenize:
+            summary["tokenize_p50_ms"] = tokenize[len(tokenize) // 2]
         report(summary)
 
     def report(summary: dict[str, Any]) -> None:
@@ -471,6 +496,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("sim", "stub", "both"), default="both",
                         help="sim: the emulated engines (zero delay); stub: canned P/D to isolate the router")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--verify-tokens", action="store_true", help="run the router with --verify-tokens")
     parser.add_argument("--streams", default=",".join(STREAM_KINDS),
                         help="reply kinds, comma-separated, taken in turn by the conversations: plain, reasoning, tool")
     parser.add_argument("--serve-stub", type=Path, default=None, help=argparse.SUPPRESS)
@@ -490,11 +516,13 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     backends = ("sim", "stub") if args.backend == "both" else (args.backend,)
     for backend in backends:
-        with tempfile.TemporaryDirectory(prefix="kvdiag-router-bench-") as tmp, processes(Path(tmp), backend) as info:
+        flags = ["--verify-tokens"] if args.verify_tokens else []
+        with tempfile.TemporaryDirectory(prefix="kvdiag-router-bench-") as tmp, \
+                processes(Path(tmp), backend, flags) as info:
             results += runner(bench(args, info, backend))
     cpu = [r["router_cpu_ms_per_turn"] for r in results if r.get("router_cpu_ms_per_turn")]
-    meta = {"streams": kinds, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "machine": platform.machine(),
+    meta = {"streams": kinds, "verify_tokens": args.verify_tokens, "cpus": os.cpu_count(),
+            "python": platform.python_version(), "machine": platform.machine(),
             "loadavg_at_end": os.getloadavg(), "median_router_cpu_ms_per_turn": statistics.median(cpu) if cpu else None}
     print(json.dumps(meta))
     if args.json:

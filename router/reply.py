@@ -219,10 +219,30 @@ def parse_stream(data: bytes, *, chat: bool = True, single_choice: bool = True, 
     if first < 0:
         _parse_frames(out, [data], content=False)
         return out
+    head = data[:first]
+    if token_ids:
+        head = _take_prompt_ids(out, head)
     tail = data[first + 2:].rsplit(b"\n\n", _EDGE_FRAMES + 1)[-_EDGE_FRAMES - 1:]
-    edges = [f for f in (data[:first], *tail) if _EDGE.search(f)]
+    edges = [f for f in (head, *tail) if _EDGE.search(f)]
     _parse_frames(out, edges, content=False)
     return out
+
+
+def _take_prompt_ids(out: Observed, frame: bytes) -> bytes:
+    """Read the first frame's prompt id list on its own (it can be hundreds of KiB); the frame without it."""
+    key = frame.find(b'"prompt_token_ids":[')
+    if key < 0:
+        return frame
+    start = key + len(b'"prompt_token_ids":')
+    end = frame.find(b"]", start)
+    if end < 0:
+        return frame
+    try:
+        ids = json.loads(frame[start:end + 1])
+    except ValueError:
+        return frame
+    out.prompt_ids = ids
+    return frame[:start] + b"null" + frame[end + 1:]
 
 
 def _parse_frames(out: Observed, frames: list[bytes], *, content: bool) -> None:

@@ -20,7 +20,6 @@ Usage::
 
 from __future__ import annotations
 
-import re
 from typing import Any, Final
 
 from kvdiag.router.reply import PARAMS_KEY, Observed, has_done, parse_stream
@@ -144,12 +143,28 @@ class SSECapture:
         return self.observed.frames_parsed if self.observed is not None else 0
 
 
-_TOKEN_ID_LISTS: Final = re.compile(rb'"(prompt_)?token_ids": ?\[[\d, ]*\]')
-
-
 def strip_token_ids(data: bytes) -> bytes:
-    """``token_ids`` / ``prompt_token_ids`` lists replaced by null, as vLLM writes them when not asked."""
-    return _TOKEN_ID_LISTS.sub(rb'"\1token_ids":null', data) if b"token_ids" in data else data
+    """``token_ids`` / ``prompt_token_ids`` lists replaced by null, as vLLM writes them when not asked.
+
+    Found with C-level searches for the key (a prompt's id list is hundreds of KiB), not a regex scan.
+    """
+    pos = data.find(b'token_ids":')
+    if pos < 0:
+        return data
+    out: list[bytes] = []
+    done = 0
+    while pos >= 0:
+        key_end = pos + len(b'token_ids":')
+        start = key_end + 1 if data[key_end:key_end + 1] == b" " else key_end
+        quote = pos - 1 if data[pos - 1:pos] == b'"' else pos - 8  # '"token_ids"' or '"prompt_token_ids"'
+        named = data[quote:pos] in (b'"', b'"prompt_')
+        end = data.find(b"]", start) if named and data[start:start + 1] == b"[" else -1  # id lists are flat
+        if end >= 0:
+            out += (data[done:start], b"null")
+            done = end + 1
+        pos = data.find(b'token_ids":', key_end)
+    out.append(data[done:])
+    return b"".join(out)
 
 
 class TokenIdStripper:
