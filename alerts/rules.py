@@ -65,7 +65,8 @@ def expired_remote_read_ratio_high(c: MixinConfig) -> AlertRule:
         "D->P KV reads are expiring for model {{ $labels.model }}.",
         "{{ $value | humanizePercentage }} of D->P reads for model {{ $labels.model }} (job {{ $labels.job }}) "
         f"found the decode node's blocks released or about to expire over the last {c.rate_window} "
-        f"(threshold {c.expired_read_ratio_warning:.0%}). Those turns recompute their history on P.",
+        f"(threshold {c.expired_read_ratio_warning:.0%}). Those turns recompute their history on P. vLLM "
+        "counts these declines in vllm:nixl_num_kv_expired_reqs on P, apart from vllm:nixl_num_failed_transfers.",
     )
 
 

@@ -62,14 +62,18 @@ def build(config: MixinConfig) -> dashboard.Dashboard:
             units.BytesIEC, [Target(q.vllm_bytes_per_transfer(config), "{{instance}}")], width=12))
         .with_panel(timeseries_panel(
             "vLLM NIXL failures and expiries",
-            "vllm:nixl_num_failed_transfers, vllm:nixl_num_failed_notifications and "
-            "vllm:nixl_num_kv_expired_reqs per second and engine. No reason label: the kvdiag panel "
-            "above has failure types. In bidirectional mode expiries count on D (TTL) and on P (declined "
-            "read). " + TP_POOLING_NOTE,
+            "Per second and engine, as vLLM 0.33 counts them: vllm:nixl_num_failed_transfers (transport "
+            "failures of reads, handshakes and notifications; vllm:nixl_num_failed_notifications is the "
+            "notification part of it), vllm:nixl_num_kv_expired_reqs (apart from the failures: on P, D->P reads "
+            "declined as expiring and P's own held blocks D never read; on D, held blocks released at the TTL, "
+            "which every conversation's last turn ends with) and vllm:nixl_num_notifications_after_expiry (a "
+            "read finished after the blocks were released: they may have been reused). No reason label: the "
+            "kvdiag panel above has failure types. " + TP_POOLING_NOTE,
             units.OpsPerSecond,
             [Target(q.vllm_nixl_failures(config), "failed transfers {{instance}}"),
-             Target(q.vllm_nixl_failed_notifications(config), "failed notifications {{instance}}"),
-             Target(q.vllm_nixl_expired(config), "expired {{instance}}")], width=8))
+             Target(q.vllm_nixl_failed_notifications(config), "of which notifications {{instance}}"),
+             Target(q.vllm_nixl_expired(config), "expired {{instance}}"),
+             Target(q.vllm_nixl_notifications_after_expiry(config), "read after expiry {{instance}}")], width=8))
         .with_panel(timeseries_panel(
             "vLLM prompt tokens by source",
             "vllm:prompt_tokens_by_source per engine: local_compute, local_cache_hit, external_kv_transfer. "

@@ -165,18 +165,23 @@ def vllm_bytes_per_transfer(c: MixinConfig) -> str:
 
 
 def vllm_nixl_failures(c: MixinConfig) -> str:
-    """vLLM NIXL failed transfers per second, per engine."""
+    """vLLM NIXL transport failures per second, per engine (reads, handshakes and notifications; no expiry)."""
     return f"sum by (instance) (rate(vllm:nixl_num_failed_transfers_total{engine(c)}[{RATE}]))"
 
 
 def vllm_nixl_failed_notifications(c: MixinConfig) -> str:
-    """vLLM NIXL failed notifications per second, per engine."""
+    """vLLM NIXL failed notifications per second, per engine (a part of the failed transfers)."""
     return f"sum by (instance) (rate(vllm:nixl_num_failed_notifications_total{engine(c)}[{RATE}]))"
 
 
 def vllm_nixl_expired(c: MixinConfig) -> str:
-    """vLLM's expired-KV request counter per second, per engine (P and D both count in bidirectional mode)."""
+    """vLLM's expired-KV request counter per second, per engine (P: declined reads; D: held blocks at TTL)."""
     return f"sum by (instance) (rate(vllm:nixl_num_kv_expired_reqs_total{engine(c)}[{RATE}]))"
+
+
+def vllm_nixl_notifications_after_expiry(c: MixinConfig) -> str:
+    """vLLM's read-completion notifications for requests no longer held, per second and engine."""
+    return f"sum by (instance) (rate(vllm:nixl_num_notifications_after_expiry_total{engine(c)}[{RATE}]))"
 
 
 def vllm_prompt_tokens_by_source(c: MixinConfig) -> str:

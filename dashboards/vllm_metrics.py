@@ -41,9 +41,13 @@ VLLM_METRICS: Final[tuple[tuple[str, VllmType], ...]] = (
     ("vllm:nixl_post_time_seconds", "histogram"),
     ("vllm:nixl_bytes_transferred", "histogram"),
     ("vllm:nixl_num_descriptors", "histogram"),
+    # Since vLLM 0.33 (PR #55854): failed transfers count transport failures of reads, handshakes and
+    # notifications (so failed notifications are a part of them); KV expiry counts apart, on the engine
+    # whose held blocks expired or whose read was declined as expiring.
     ("vllm:nixl_num_failed_transfers", "counter"),
     ("vllm:nixl_num_failed_notifications", "counter"),
     ("vllm:nixl_num_kv_expired_reqs", "counter"),
+    ("vllm:nixl_num_notifications_after_expiry", "counter"),
 )
 
 

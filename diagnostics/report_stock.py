@@ -114,14 +114,18 @@ def load_client_stats(con: duckdb.DuckDBPyConnection, files: Sequence[LogFile]) 
 
 # The kinds the table needs, each with a literal its pattern implies (no_conversation_id, cached and
 # ready lines change only stock verdicts).
-_MARKERS: Final = {
+_MARKERS: Final[dict[str, str | tuple[str, ...]]] = {
     "stale": ": stale cache entry (age=", "hit": ": cache HIT (age=",
-    "sending": ": sending D's cached blocks to P (remote_request_id=", "miss": ": cache MISS",
+    "sending": ": sending D's cached blocks to P (remote_request_id=", "miss": ("] conv=", ": cache MISS"),
     "no_handle": ": no D-to-P handle offered", "prefill_done": "] Prefill done in ",
     "prefill_failed": "] Prefill request failed: ", "decode_failed": "] Decode request failed: ",
 }
 _CANDIDATE: Final = (" conv=", "] Prefill ", "] Decode request failed: ")  # every kind's line has one
 _PROXY_FIELDS: Final = ("rid", "conv", "age", "ms", "detail")
+
+
+def _literals(marker: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (marker,) if isinstance(marker, str) else marker
 
 
 def _between(start: str, end: str | None) -> str:
@@ -159,7 +163,10 @@ def parse_proxy_lines(con: duckdb.DuckDBPyConnection, paths: Sequence[str]) -> N
     # proxy's line pattern with that kind's message pattern in place of the message (_FIELD_SQL then
     # cuts the groups out). A proxy line its guess's pattern rejects declines (the parser might match
     # another pattern), so the kinds equal proxy_log.classify_proxy_message's.
-    guess = " ".join(f"WHEN contains(line, {_sql_str(m)}) THEN '{k}'" for k, m in _MARKERS.items())
+    # (a later proxy revision logs "conv=C: cache MISS (request history changed)" without a request id:
+    # a kind the table does not need, so "miss" needs both of its literals)
+    guess = " ".join(f"WHEN {' AND '.join(f'contains(line, {_sql_str(x)})' for x in _literals(m))} THEN '{k}'"
+                     for k, m in _MARKERS.items())
     candidate = " OR ".join(f"contains(line, {_sql_str(c)})" for c in _CANDIDATE)
     # A parallel insert keeps each file's line order (DuckDB's preserve_insertion_order), so the kept
     # lines' rowid orders them, files one after the other, without a single-threaded window.

@@ -159,3 +159,33 @@ def test_fuzz_whole_pipeline_on_garbage_files(tmp_path: Path, data: bytes, name:
         assert name == "x.gz" and name in str(exc)
     else:
         assert all(t.turn >= 1 for c in convs for t in c.turns)
+
+
+def test_reference_proxy_history_lines() -> None:
+    # Later revisions of disagg_proxy_multiturn.py check the request's history before offering a handle
+    # and the reply's before storing one, and say so.
+    rid = "4f1e5192-000f-400f-a00f-1e2f3a4bf18c"
+    lines = [
+        "2026-11-29 10:01:52 [INFO] disagg_proxy: conv=agent-g: cache MISS (request history changed)",
+        f"2026-11-29 10:01:52 [INFO] disagg_proxy: [{rid}] conv=agent-g: cache MISS (request history changed)",
+        f"2026-11-29 10:01:52 [INFO] disagg_proxy: [{rid}] conv=agent-g: cache MISS",
+        "2026-11-29 10:02:02 [INFO] disagg_proxy: conv=agent-h: not caching D blocks because response history "
+        "cannot be validated",
+        f"2026-11-29 10:02:02 [INFO] disagg_proxy: [{rid}] not caching D blocks because response history cannot "
+        "be validated",
+    ]
+    recs = list(parse_proxy_log(lines, "proxy.log"))
+    assert [r.kind for r in recs] == ["miss_head", "miss", "miss", "not_cached", "not_cached"]
+    assert recs[0].fields == {"conv": "agent-g", "why": "request history changed"}
+    assert recs[1].fields == {"rid": rid, "conv": "agent-g", "why": "request history changed"}
+    assert recs[2].fields == {"rid": rid, "conv": "agent-g"}
+    assert recs[3].fields["conv"] == "agent-h" and "cannot be validated" in recs[3].fields["why"]
+    assert recs[4].fields["rid"] == rid
+
+
+def test_benchmark_console_output_is_not_client_statistics() -> None:
+    console = (STOCK.parent / "real_vllm_info" / "bench.console.log").read_bytes()
+    assert console.startswith(b"[transformers] ") and sniff_format(console) == "unknown"
+    pretty = (STOCK.parent / "real_vllm_info" / "client-stats.json").read_bytes()
+    assert pretty.startswith(b"[\n  {") and sniff_format(pretty) == "client_stats"
+    assert sniff_format(pretty[:40]) == "client_stats"  # an element cut by the sniffed head is still JSON

@@ -83,7 +83,9 @@ def test_explain_on_the_real_lines() -> None:
     assert (expired[1].verdict, expired[1].confidence) == (Verdict.EXPIRED_REMOTE_READ, Confidence.CONFIRMED)
     assert expired[1].request_id == "36b722057b344d248e7f5e591a7363bb"
     assert any(e.source.endswith("prefill.log:47") for e in expired[1].evidence)
-    assert "the turn failed" in expired[1].reason
+    # P failed that attempt, but the proxy stored D's next handle after it: the client got its answer
+    # (kvdiag's router retried P without the handle)
+    assert "the turn failed" not in expired[1].reason and "yet the client got its answer" in expired[1].reason
 
 
 def test_request_that_never_leaves_waiting_is_a_hang(tmp_path: Path) -> None:
@@ -94,3 +96,67 @@ def test_request_that_never_leaves_waiting_is_a_hang(tmp_path: Path) -> None:
     (run / "prefill.log").write_text("".join(lines[:41]))
     turn = explain_conversation([str(run)], "real-normal-a").turns[1]
     assert turn.verdict is Verdict.UNKNOWN and "WAITING_FOR_REMOTE_KVS" in turn.reason
+
+
+_NIXL_STATS_PROBE = r"""
+import inspect, json, re
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats
+
+def line(record):
+    s = stats.NixlKVConnectorStats()
+    record(s)
+    out = []
+    log = KVConnectorLogging.__new__(KVConnectorLogging)
+    log.transfer_stats_accumulator = s
+    log.log(lambda fmt, *args: out.append(fmt % args))
+    return out[0] if out else None
+
+class Telemetry:  # what NIXL's get_xfer_telemetry returns (microseconds, bytes, descriptors)
+    xferDuration, postDuration, totalBytes, descCount = 3100.0, 600.0, 458752, 14
+
+print(json.dumps({
+    "names": sorted(set(re.findall(r'name="(vllm:nixl_\w+)"', inspect.getsource(stats)))),
+    "read": line(lambda s: s.record_transfer(Telemetry())),
+    "handshake": line(lambda s: s.record_failed_handshake()),
+    "notification": line(lambda s: s.record_failed_notification()),
+    "expired": line(lambda s: s.record_kv_expired_req()),
+    "after_expiry": line(lambda s: s.record_notification_after_expiry()),
+}))
+"""
+
+
+@pytest.mark.vllm
+def test_nixl_stats_semantics_of_the_installed_vllm() -> None:
+    """The installed vLLM's NIXL stats, as kvdiag's parser, windows and metric catalog read them.
+
+    Since vLLM 0.33 (PR #55854) a failed handshake or notification counts as a failed transfer and KV
+    expiry counts apart: an expired (declined) read is not a failed transfer.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from kvdiag.dashboards.vllm_metrics import VLLM_METRICS
+    from kvdiag.diagnostics.vllm_log import classify_message
+    from kvdiag.diagnostics.windows import _successes
+
+    out = subprocess.run([sys.executable, "-c", _NIXL_STATS_PROBE], capture_output=True, text=True, timeout=300,
+                         check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(got["names"]) == {n for n, _ in VLLM_METRICS if n.startswith("vllm:nixl_")}
+    fields = {}
+    for case in ("read", "handshake", "notification", "expired", "after_expiry"):
+        kind, f = classify_message(got[case])
+        assert kind == "kv_metrics", got[case]
+        fields[case] = f
+    assert fields["read"]["Num successful transfers"] == "1" and fields["read"]["Avg MB per transfer"] == "0.438"
+    assert fields["handshake"]["Num failed transfers"] == "1" == fields["notification"]["Num failed transfers"]
+    assert fields["expired"]["Num KV expired reqs"] == "1" and fields["expired"]["Num failed transfers"] == "0"
+    assert fields["after_expiry"]["Num notifs after expiry"] == "1"
+    # explain's windows count the successes of each line (a failure-only line counts none)
+    rec = VllmRecord(path="p", lineno=1, level="INFO", ts="11-29 10:00:00", fileinfo="metrics.py:108", msg="",
+                     kind="kv_metrics")
+    for case, want in (("read", 1), ("handshake", 0), ("expired", 0)):
+        rec.fields = fields[case]
+        assert _successes(rec) == want, case
