@@ -93,7 +93,8 @@ def _call_regions(text: str) -> list[tuple[str, bool]]:
         raw = text[body_start:]
         cut = _overlap(raw, TOOL_END)
         body = (raw[:-cut] if cut else raw).strip()
-        out.append((body, _complete(body) if body else False))
+        # only an object can be a complete call body: skip the parse until the text could close one
+        out.append((body, body.endswith("}") and _complete(body)))
         break
     return out
 
