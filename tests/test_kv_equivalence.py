@@ -7,7 +7,7 @@ from scratch for the same prompt whenever P gets the handle kvdiag's router give
 the proven prefix), or the full handle with the connector's exact mode. The full handle on a stock
 P, or with exact mode off, is the negative control: it must be caught as wrong KV. Each read is
 also checked for what it read: the D blocks vLLM paired with P's blocks, which D blocks the bytes
-are, NIXL's bytes, and what P computed.
+are, NIXL's bytes, and what P computed; and the turn must complete (D reads P's blocks, decodes).
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def assert_read_exactly(rec: dict[str, Any], tokens: int, prompt_tokens: int) ->
     assert rec["read_tokens"] == tokens > 0, rec
     assert rec["vllm_read_d_blocks"] == rec["read_d_blocks"] == list(range(blocks)), rec
     assert rec["nixl_bytes"] == [blocks * BLOCK_BYTES], rec
+    # ... and the turn completed: D's decode leg read P's blocks (byte-exact) and generated its reply
+    assert (rec["next_d_finish"], rec["next_d_ok"], rec["next_d_read_matches_p"]) == ("length", True, True), rec
+    assert rec["next_d_read_blocks"] == _cdiv(prompt_tokens, BLOCK)
     report = rec["report"]
     if report is not None:   # the kvdiag connector's own account of the same read
         r = PrefillReport.from_dict(report)

@@ -16,6 +16,7 @@ would give it (trimmed to whole blocks the previous prompt proves, ``MARGIN`` to
 or untrimmed (the negative controls). P's KV for every prompt position is then compared with a
 from-scratch prefill of the same prompt; the read itself is recorded three ways: the D block ids
 vLLM's scheduler handed the worker, which of D's blocks the received bytes are, and NIXL's bytes.
+Where the injection is meant to be safe, turn k+1 then completes on D (P->D read, a short reply).
 Results go to ``OUT_DIR/results.json``; tests/test_kv_equivalence.py asserts on them.
 """
 
@@ -301,7 +302,8 @@ def _inject(bed: Bed, s: Scenario, v: Variant, d_rid: str, d_seq: list[int], ref
         local, remote = read_plan["local"][0], read_plan["remote"][0]
         vllm_read = [d_blocks.index(b) if b in d_blocks else None for b in remote[-len(local):]]
     nixl_bytes = [b for st in p.stats[stats_before:] for b in st.get("bytes_transferred", [])]
-    return {
+    turn = _finish_turn(bed, s, v, p, out) if v.trim == "router" or v.p == "exact" or s.rung_tokens is None else {}
+    return {**turn,
         "scenario": s.name, "variant": v.name, "p": v.p, "trim": v.trim,
         "d_finish": str(d_out.finish_reason), "d_generated_ok": bed.d.tokens.get(d_rid) == s.reply,
         "handle_tokens": d_params["remote_num_tokens"], "handle_blocks": len(d_blocks),
@@ -315,6 +317,18 @@ def _inject(bed: Bed, s: Scenario, v: Variant, d_rid: str, d_seq: list[int], ref
         "first_wrong": wrong[0] if wrong else None,
         "p_finish": str(out.finish_reason), "report": _jsonable((out.kv_transfer_params or {}).get("kvdiag")),
         "seconds": round(time.monotonic() - started, 2)}
+
+
+def _finish_turn(bed: Bed, s: Scenario, v: Variant, p: Engine, out: Any) -> dict[str, Any]:
+    """Turn k+1's decode leg on D (P->D read of P's blocks, a few tokens): the turn completes."""
+    rid = f"cmpl-{s.name}-{v.name}-tk1-d-0"
+    p_sha = _sha(p.block_bytes(list(out.kv_transfer_params["remote_block_ids"][0])))  # before D frees them
+    bed.d.reply_plans[rid] = words(99, 4)
+    bed.d.add(rid, s.next_prompt, max_tokens=4, kv_transfer_params=out.kv_transfer_params)
+    bed.until(lambda: rid in bed.d.finished)
+    got = _sha(bed.d.received.get(rid, {}).get("bytes", []))
+    return {"next_d_finish": str(bed.d.finished[rid].finish_reason), "next_d_ok": bed.d.tokens.get(rid) == words(99, 4),
+            "next_d_read_blocks": len(got), "next_d_read_matches_p": bool(got) and got == p_sha[:len(got)]}
 
 
 def main(out: Path) -> int:
