@@ -43,7 +43,7 @@ _logger = logging.getLogger(__name__)
 
 TRACE_HEADERS: Final = ("traceparent", "tracestate")  # vLLM's TRACE_HEADERS (W3C)
 
-# What P gets on a miss (vllm.md §2(a)).
+# What P gets on a miss: the example proxy's params (P computes the prompt and holds its blocks for D).
 MISS_PARAMS: Final = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
 MAX_CONVERSATION_ID: Final = 1024

@@ -1,7 +1,7 @@
 """``--proxy-log FILE``: the text lines vLLM's ``disagg_proxy_multiturn.py`` writes, byte for byte.
 
 Stock tooling (the AWS blog's scripts scrape ``Prefill done in``; operators grep ``cache MISS``)
-keeps working behind kvdiag's router. Format and messages are the example proxy's (vllm.md §6.2):
+keeps working behind kvdiag's router. Format and messages are the example proxy's:
 ``%(asctime)s [%(levelname)s] %(name)s: %(message)s``, datefmt ``%Y-%m-%d %H:%M:%S``, logger
 ``disagg_proxy``. Lines go through a bounded queue to a writer thread, so a slow disk never stalls
 a turn; lines that do not fit are dropped and counted.
