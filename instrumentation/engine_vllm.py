@@ -65,6 +65,7 @@ class Options:
     log_level: str = "INFO"
     ready_file: str | None = None
     pull_matching_prefix: bool = True     # the connector's exact mode (kvdiag_pull_matching_prefix)
+    prefix_digest: bool = True            # D returns kvdiag_digest (kvdiag_digest)
     seed: int = 0
 
 
@@ -92,7 +93,8 @@ class VllmBackend:
         extra: dict[str, Any] = {"bidirectional_kv_xfer": opts.bidirectional,
                                  "decoder_kv_blocks_ttl": opts.decoder_kv_blocks_ttl,
                                  "kv_lease_duration": opts.kv_lease_duration, "kvdiag_role": opts.role,
-                                 "kvdiag_pull_matching_prefix": opts.pull_matching_prefix}
+                                 "kvdiag_pull_matching_prefix": opts.pull_matching_prefix,
+                                 "kvdiag_digest": opts.prefix_digest}
         if opts.kv_recompute_threshold is not None:
             extra["kv_recompute_threshold"] = opts.kv_recompute_threshold
         if opts.events_file:
@@ -384,7 +386,9 @@ CPU_MAX_BLOCKS = 2048   # 2,048 x 196,608 B = 384 MiB of KV per engine: plenty f
 def options_from_sim(role: str, opts: dict[str, Any]) -> Options:
     """Map ``kvdiag sim prefill|decode`` options onto this backend (for ``--engine vllm``).
 
-    The time model, fault injection and stream switches of the emulated engines do not apply: the
+    ``--pull-matching-prefix`` and ``--prefix-digest`` map onto the connector's
+    ``kvdiag_pull_matching_prefix`` and ``kvdiag_digest``. The time model, fault injection, stream
+    switches, reasoning and tool-call parsers of the emulated engines do not apply: the
     real engine's behaviour is vLLM's own. ``--block-size`` is fixed at 32 (vLLM's CPU attention)
     and ``--num-blocks`` is capped at 2,048 (CPU memory).
     """
@@ -398,7 +402,9 @@ def options_from_sim(role: str, opts: dict[str, Any]) -> Options:
                    kv_load_failure_policy=opts.get("kv_load_failure_policy", "fail"),
                    num_blocks=min(int(opts.get("num_blocks") or 512), CPU_MAX_BLOCKS),
                    events_file=opts.get("events_file"), log_file=opts.get("log_file"),
-                   log_level=str(opts.get("log_level", "INFO")).upper(), ready_file=opts.get("ready_file"))
+                   log_level=str(opts.get("log_level", "INFO")).upper(), ready_file=opts.get("ready_file"),
+                   pull_matching_prefix=bool(opts.get("pull_matching_prefix", True)),
+                   prefix_digest=bool(opts.get("prefix_digest", True)))
 
 
 def run(opts: Options) -> None:
@@ -431,6 +437,8 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--pull-matching-prefix", action=argparse.BooleanOptionalAction, default=True,
                    help="exact mode: P reads only the prefix D's block-hash digest proves equal to its prompt")
+    p.add_argument("--prefix-digest", action=argparse.BooleanOptionalAction, default=True,
+                   help="D returns kvdiag_digest, its sequence's block hashes")
     a = p.parse_args(argv)
     return Options(role=a.role, host=a.host, port=a.port, side_channel_port=a.side_channel_port, model=a.model,
                    engine_id=a.engine_id, bidirectional=not a.no_bidirectional,
@@ -438,7 +446,7 @@ def parse_args(argv: list[str]) -> Options:
                    kv_lease_duration=a.kv_lease_duration, prefix_caching=not a.no_prefix_caching,
                    kv_load_failure_policy=a.kv_load_failure_policy, num_blocks=a.num_blocks,
                    events_file=a.events_file, log_file=a.log_file, log_level=a.log_level, ready_file=a.ready_file,
-                   pull_matching_prefix=a.pull_matching_prefix)
+                   pull_matching_prefix=a.pull_matching_prefix, prefix_digest=a.prefix_digest)
 
 
 def main(argv: list[str] | None = None) -> int:

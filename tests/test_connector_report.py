@@ -254,6 +254,9 @@ def test_sim_options_map_onto_the_real_engine_backend() -> None:
         ("prefill", False, True, 0)   # exact mode is on by default
     assert parse_args(["prefill", "--no-pull-matching-prefix"]).pull_matching_prefix is False
     assert options_from_sim("prefill", {}).pull_matching_prefix is True
+    off = options_from_sim("prefill", {"pull_matching_prefix": False, "prefix_digest": False})
+    assert (off.pull_matching_prefix, off.prefix_digest) == (False, False)
+    assert parse_args(["decode", "--no-prefix-digest"]).prefix_digest is False
 
 
 @pytest.mark.parametrize("fields", [
