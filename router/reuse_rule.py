@@ -32,6 +32,7 @@ from kvdiag.schema.verdicts import TrimReason
 CHAT: Final = "messages"
 COMPLETION: Final = "prompt"
 MAX_RUNGS: Final = 16          # turn boundaries kept with a handle (the newest ones)
+MAX_CHECKPOINTS: Final = 256   # token-trace checkpoints kept with a handle (2 KiB)
 DIGEST_HEX: Final = 32         # sha256 hex digits kept per rung (128 bits)
 DEFAULT_MARGIN: Final = 8      # generation-prompt tokens a history rendering may not reproduce
 
@@ -167,7 +168,7 @@ class TokenTrace:
         return matched
 
 
-def token_trace(ids: Sequence[int], count: int, step: int, max_checkpoints: int = 1024) -> TokenTrace:
+def token_trace(ids: Sequence[int], count: int, step: int, max_checkpoints: int = MAX_CHECKPOINTS) -> TokenTrace:
     """The trace of the first ``count`` ids; ``step`` grows (by multiples) to keep the size bounded."""
     count = max(0, min(count, len(ids)))
     step = max(1, step)

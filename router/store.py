@@ -29,11 +29,20 @@ from typing import Any, Final, Protocol
 
 import redis.asyncio as redis_asyncio
 
-from kvdiag.router.reuse_rule import CHAT, COMPLETION, MAX_RUNGS, Coverage, ReplyRecord, Rung, TokenTrace
+from kvdiag.router.reuse_rule import (
+    CHAT,
+    COMPLETION,
+    MAX_CHECKPOINTS,
+    MAX_RUNGS,
+    Coverage,
+    ReplyRecord,
+    Rung,
+    TokenTrace,
+)
 
 EvictionCallback = Callable[[str, int], None]  # (reason "capacity" | "ttl", count)
 HANDLE_FORMAT: Final = 2  # v1 (no "v"): params and a prompt digest only; read as a handle without coverage
-MAX_TRACE_BYTES: Final = 1024 * 8
+MAX_TRACE_BYTES: Final = MAX_CHECKPOINTS * 8
 
 
 class StoreError(RuntimeError):

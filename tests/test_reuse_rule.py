@@ -218,7 +218,7 @@ def test_token_trace_proves_exactly_the_common_prefix() -> None:
     ids = list(range(500, 900))
     trace = token_trace(ids, 390, 16)
     assert trace.matched(ids) == 390 and trace.matched([*ids[:200], 7, *ids[201:]]) == 192  # the end is proven too
-    assert trace.matched(ids[:100]) == 96 and len(token_trace(ids * 40, 16000, 1).checkpoints) <= 8 * 1024
+    assert trace.matched(ids[:100]) == 96 and len(token_trace(ids * 40, 16000, 1).checkpoints) <= 8 * 256
 
 
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=120), st.lists(st.integers(0, 5), max_size=120),

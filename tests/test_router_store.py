@@ -260,6 +260,6 @@ def test_handle_format_is_versioned_and_bounded() -> None:
     with pytest.raises(StoreError, match="corrupt handle"):
         Handle.from_json(json.dumps(obj))
     obj = json.loads(h.to_json())
-    obj["coverage"][5][2] = "A" * 20000  # a token trace beyond the bound
+    obj["coverage"][5][2] = "A" * 4000  # a token trace beyond the bound (2 KiB)
     with pytest.raises(StoreError, match="corrupt handle"):
         Handle.from_json(json.dumps(obj))
