@@ -44,7 +44,7 @@ VLLM_KEYWORDS: Final = (
     b"WAITING_FOR_REMOTE_KVS", b"Got invalid KVTransferParams", b"Bidirectional KV transfer is enabled",
     b"Generated response", b"Aborted request", b"aborted.", b") failed", b" failed.", b"Received request",
     b"NIXLConnector request_finished(", b"Finished sending", b"Added request", b"but no KVConnector found",
-    b" failed (",
+    b" failed (", b" failed with an internal error",
 )
 HEAD_KEYWORDS: Final = (b"Bidirectional KV transfer is enabled", b"remote block size")
 HEAD_BYTES: Final = 4 * 1024 * 1024  # engine settings are logged at startup

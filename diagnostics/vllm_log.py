@@ -172,6 +172,10 @@ _CLASSIFIERS: Final[list[tuple[str, re.Pattern[str], _Conv]]] = [
     ("aborted", re.compile(rf"^Request ({_ID}) aborted\."), lambda m: {"request_ids": [m.group(1)]}),
     ("request_failed", re.compile(rf"^Request ({_ID}) failed(?: \(([\w ]+)\))?(?:: (.*?))?\.?$", re.DOTALL),
      lambda m: {"request_id": m.group(1), "why": m.group(2) or "error", "detail": m.group(3)}),
+    # vLLM 0.33's API server when a request finished with an error (HTTP 500 to the caller), e.g. P's
+    # request failed on a KV load failure under failure_policy=fail
+    ("request_failed", re.compile(rf"^Request ({_ID}) failed with an internal error during generation"),
+     lambda m: {"request_id": m.group(1), "why": "internal error, HTTP 500", "detail": None}),
     ("kv_metrics", re.compile(r"^KV Transfer metrics: (.*)$"),
      lambda m: {k.strip(): v for k, _, v in (p.partition("=") for p in m.group(1).split(", "))}),
     ("engine_stats", re.compile(
