@@ -1,9 +1,9 @@
 """The router's side of the reuse rule: block sizes, what to inject, what to keep with a handle.
 
-:class:`ReuseGuard` applies :mod:`kvdiag.router.reuse_rule` to a claimed handle (knowing each D
-engine's block size, from ``--block-size``, the connector's digest, or inferred from the handles
-seen), and builds the :class:`~kvdiag.router.reuse_rule.Coverage` stored with the next handle from
-what the turn observed.
+``ReuseGuard`` applies the rule to a claimed handle (knowing each D engine's block size, from
+``--block-size``, the connector's digest, or inferred from the handles seen), builds the coverage
+stored with the next handle from what the turn observed, and asks P's ``/tokenize`` in token-exact
+mode.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Usage::
     decision = decide(coverage, view, handle_tokens=params["remote_num_tokens"], block_size=16, margin=8)
     if decision.reuse is Reuse.TRIMMED:
         params = trim_handle(params, decision.limit_tokens, 16)
-    rungs = next_rungs(coverage, view, prompt_tokens=usage["prompt_tokens"])  # stored with the next handle
+    rungs = next_rungs(coverage, decision, view, usage["prompt_tokens"])  # stored with D's next handle
 """
 
 from __future__ import annotations
