@@ -490,6 +490,91 @@ async def bench(args: argparse.Namespace, info: dict[str, Any], backend: str) ->
     return results
 
 
+def micro() -> list[dict[str, Any]]:
+    """In-process costs per turn of recording and deciding (no sockets): what the router adds to a turn's CPU."""
+    from kvdiag.router.config import RouterConfig, Upstream
+    from kvdiag.router.reply import parse_stream
+    from kvdiag.router.reuse import ReuseGuard
+    from kvdiag.router.reuse_rule import prompt_view, token_trace
+    from kvdiag.router.sse import SSECapture, strip_token_ids
+    from kvdiag.router.store import Handle, _pack_handle, _unpack_handle
+
+    def per_call(fn: Callable[[], Any], n: int = 2000) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return round((time.perf_counter() - t0) / n * 1e6, 1)
+
+    head = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1733000000, "model": "Qwen/Qwen3-32B"}
+    out: list[dict[str, Any]] = []
+    streams: dict[str, list[bytes]] = {}
+    for kind in STREAM_KINDS:
+        frames = [_stub_frame({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})]
+        frames += [_stub_frame({**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None,
+                                                     "token_ids": None}], "kv_transfer_params": None})
+                   for d in _stub_deltas(kind)]
+        frames += [_stub_frame({**head, "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                                     "finish_reason": "stop", "stop_reason": None}],
+                                "kv_transfer_params": {"remote_num_tokens": 300, "remote_engine_id": "d",
+                                                       "remote_block_ids": [list(range(19))]}}),
+                   b"data: [DONE]\n\n"]
+        streams[kind] = frames
+
+        def record(frames: list[bytes] = frames) -> None:
+            capture = SSECapture()
+            for frame in frames:
+                capture.feed(frame)
+
+        out.append({"micro": f"record a {kind} stream ({len(frames)} frames, one read each)", "us": per_call(record)})
+    ups = (Upstream("127.0.0.1", 1),)
+    guard = ReuseGuard(RouterConfig(prefill=ups, decode=ups))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Summarise the design of a router. " * 4}]
+    for i in range(4):
+        messages += [{"role": "assistant", "content": " ".join(f"t{j}" for j in range(16))},
+                     {"role": "user", "content": f"turn {i + 2}: go on"}]
+    body = {"model": "Qwen/Qwen3-32B", "messages": messages}
+    capture = SSECapture()
+    capture.feed(b"".join(streams["plain"]))
+    view = prompt_view(body)
+    assert view is not None and capture.params is not None and capture.observed is not None
+    params = {**capture.params, "remote_request_id": "r"}
+    coverage = guard.coverage(body=body, view=view, previous=None, decision=None, prompt_tokens=280,
+                              observed=capture.observed, d_params=params)
+    handle = Handle(params, time.time(), 1, "r", coverage)
+    following = {"model": "Qwen/Qwen3-32B", "messages": [
+        *messages, {"role": "assistant", "content": capture.observed.content}, {"role": "user", "content": "more"}]}
+    out.append({"micro": "digest an 11-message prompt at its turn boundaries",
+                "us": per_call(lambda: prompt_view(following, coverage.lengths()))})
+    nxt = prompt_view(following, coverage.lengths())
+    assert nxt is not None and guard.inject(handle, nxt).decision.reuse == "full"
+    out.append({"micro": "decide (the full handle: the reply came back verbatim)",
+                "us": per_call(lambda: guard.inject(handle, nxt))})
+    out.append({"micro": "build the coverage", "us": per_call(lambda: guard.coverage(
+        body=body, view=view, previous=None, decision=None, prompt_tokens=280, observed=capture.observed,
+        d_params=params))})
+    out.append({"micro": "store round trip of the handle (memory store)",
+                "us": per_call(lambda: _unpack_handle(1.0, _pack_handle(handle)))})
+    for n in (2000, 32000):
+        ids = [random.randrange(150_000) for _ in range(n)]
+        answer = json.dumps({"count": n, "max_model_len": 131072, "tokens": ids}).encode()
+        first = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+                 b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+                 b'"prompt_token_ids":' + json.dumps(ids, separators=(",", ":")).encode() + b"}\n\n")
+        trace = token_trace(ids, n - 1, 16)
+        costs = {"read /tokenize's answer": per_call(lambda answer=answer: json.loads(answer), 50),
+                 "match it against D's trace": per_call(lambda trace=trace, ids=ids: trace.matched(ids), 50),
+                 "strip D's prompt ids from the client's stream": per_call(
+                     lambda first=first: strip_token_ids(first), 50),
+                 "read D's prompt ids": per_call(
+                     lambda first=first: parse_stream(first + b"data: [DONE]\n\n", token_ids=True), 50),
+                 "build the trace": per_call(lambda ids=ids, n=n: token_trace(ids, n - 1, 16), 50)}
+        for what, us in costs.items():
+            out.append({"micro": f"--verify-tokens, {n}-token prompt: {what}", "us": us})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="halve every phase")
@@ -497,6 +582,8 @@ def main() -> None:
                         help="sim: the emulated engines (zero delay); stub: canned P/D to isolate the router")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--verify-tokens", action="store_true", help="run the router with --verify-tokens")
+    parser.add_argument("--micro", action="store_true",
+                        help="only the in-process costs of recording replies and deciding reuse (no processes)")
     parser.add_argument("--streams", default=",".join(STREAM_KINDS),
                         help="reply kinds, comma-separated, taken in turn by the conversations: plain, reasoning, tool")
     parser.add_argument("--serve-stub", type=Path, default=None, help=argparse.SUPPRESS)
@@ -508,6 +595,10 @@ def main() -> None:
         runner = asyncio.run
     if args.serve_stub is not None:
         runner(_serve_stub(args.serve_stub))
+        return
+    if args.micro:
+        for row in micro():
+            print(json.dumps(row), flush=True)
         return
     kinds = [k.strip() for k in args.streams.split(",") if k.strip()]
     if not kinds or any(k not in STREAM_KINDS for k in kinds):
