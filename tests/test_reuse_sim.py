@@ -36,7 +36,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 @contextlib.asynccontextmanager
-async def sim_router(tmp: Path, parsers: bool) -> AsyncIterator[tuple[RouterHandle, Path]]:
+async def sim_router(tmp: Path, parsers: bool, **router_kw: Any) -> AsyncIterator[tuple[RouterHandle, Path]]:
     """P and D (with vLLM's reasoning and tool parsers when ``parsers``) behind a router."""
     tmp.mkdir(parents=True, exist_ok=True)
     options: dict[str, Any] = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes",
@@ -47,7 +47,7 @@ async def sim_router(tmp: Path, parsers: bool) -> AsyncIterator[tuple[RouterHand
     events = tmp / "router-events.jsonl"
     router = await start_router(RouterConfig(prefill=(Upstream("127.0.0.1", p.port),),
                                              decode=(Upstream("127.0.0.1", d.port),), host="127.0.0.1", port=0,
-                                             events_file=events))
+                                             events_file=events, **router_kw))
     try:
         yield router, events
     finally:
@@ -100,10 +100,11 @@ def _reply(raw: bytes, stream: bool) -> dict[str, Any]:
     return out
 
 
-async def _run(tmp: Path) -> list[dict[str, Any]]:
+async def _run(tmp: Path, **router_kw: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for parsers, names in ((False, ["plain"]), (True, [n for n in SCENARIOS if n != "plain"])):
-        async with sim_router(tmp / str(parsers), parsers) as (router, events), aiohttp.ClientSession() as session:
+        async with sim_router(tmp / str(parsers), parsers, **router_kw) as (router, events), \
+                aiohttp.ClientSession() as session:
             for name in names:
                 await _conversation(session, router.url, name, SCENARIOS[name])
             await wait_for(lambda: len(read_jsonl(events)) >= 3 * len(names))  # noqa: B023 - awaited here
@@ -135,3 +136,18 @@ async def test_negative_control_a_full_handle_rule_loads_wrong_kv_in_the_sim(
     events = await _run(tmp_path)
     wrong = {e["conversation_id"]: e.get("wrong_kv_tokens", 0) for e in events if e["turn"] > 1}
     assert wrong["plain"] == 0 and all(wrong[name] > 0 for name in ("reasoning", "hidden_reasoning", "tool_call"))
+
+
+async def test_token_exact_mode_on_the_sim_reuses_at_least_the_text_rule_and_loads_no_wrong_kv(
+        tmp_path: Path) -> None:
+    text = {(e["conversation_id"], e["turn"]): e for e in await _run(tmp_path / "text")}
+    exact = await _run(tmp_path / "exact", verify_tokens=True)
+    later = [e for e in exact if e["turn"] > 1]
+    assert all(e.get("wrong_kv_tokens", 0) == 0 for e in exact)
+    # vLLM hides token ids with include_reasoning false: no trace, the text rule decides.
+    assert all(("verified_tokens" in e["attrs"]) == (e["conversation_id"] != "hidden_reasoning") for e in later)
+    assert not any(e["attrs"].get("verify_mismatch_after_read") for e in later)  # /tokenize renders like P
+    for e in later:
+        assert e["reuse_limit_tokens"] >= text[(e["conversation_id"], e["turn"])]["reuse_limit_tokens"]
+    assert any(e["reuse_limit_tokens"] > text[(e["conversation_id"], e["turn"])]["reuse_limit_tokens"]
+               for e in later)  # the tokens prove more than the text rule (up to the first re-rendered token)
