@@ -361,35 +361,48 @@ def _build_streams(index: LogIndex, p_paths: list[str], ref: float) -> tuple[lis
     streams: dict[tuple[str, int], _Stream] = {}
     plans: list[VllmRecord] = []
     configs: list[VllmRecord] = []
-    last_engine: dict[str, VllmRecord] = {}
+    last: dict[str, tuple[_Stream, int] | None] = {}  # path -> the stream and index of its latest Engine line
+    pending: dict[str, VllmRecord] = {}  # path -> a KV line whose Engine line has not come yet
+    orphans: set[str] = set()  # files with a KV line no Engine line of the same tick takes
     p_set = set(p_paths)
     for rec in index.vllm:
         if rec.path not in p_set:
             continue
         if rec.kind == "engine_stats":
-            last_engine[rec.path] = rec
             key = (rotation_base(rec.path), int(rec.fields["engine"]))
             stream = streams.get(key)
             if stream is None:
                 stream = streams[key] = _Stream(name=f"{key[0]} engine {key[1]:03d}", group=key[0])
             t = vllm_wall_clock(rec.ts, ref)
-            if t is not None:
-                stream.lines.append((t, rec, None))
-        elif rec.kind == "kv_metrics":
-            eng = last_engine.get(rec.path)
-            if eng is None or eng.ts != rec.ts:
+            if t is None:
                 continue
-            key = (rotation_base(rec.path), int(eng.fields["engine"]))
-            stream = streams[key]
-            t, e, _ = stream.lines[-1]
-            if e is eng:
-                stream.lines[-1] = (t, e, rec)
+            kv = pending.pop(rec.path, None)
+            if kv is not None and kv.ts != rec.ts:
+                orphans.add(rec.path)
+                kv = None
+            stream.lines.append((t, rec, kv))
+            last[rec.path] = (stream, len(stream.lines) - 1) if kv is None else None
+        elif rec.kind == "kv_metrics":
+            # vLLM logs it right after its tick's Engine line (same call, same second); either order is read
+            slot = last.get(rec.path)
+            if slot is not None and slot[0].lines[slot[1]][1].ts == rec.ts:
+                st, i = slot
+                t, eng, _ = st.lines[i]
+                st.lines[i] = (t, eng, rec)
+                last[rec.path] = None
+            else:
+                if rec.path in pending:
+                    orphans.add(rec.path)
+                pending[rec.path] = rec
         elif rec.kind == "transfer_plan":
             plans.append(rec)
         elif rec.kind == "engine_config":
             configs.append(rec)
+    orphans.update(pending)
     for stream in streams.values():
         _windows(stream)
+        if any(p.startswith(stream.group) for p in orphans):
+            stream.usable = False  # a count that belongs to no window: the file's windows are not complete
     return list(streams.values()), plans, configs
 
 

@@ -27,6 +27,7 @@ class StatsLogger:
         self.engine = engine
         self.last = time.monotonic()
         self.handshaken: set[str] = set()
+        self._planned: set[str] = set()  # peers whose "Transfer plan" line is written
         self._idle_intervals = 0
         self._reset()
 
@@ -53,6 +54,14 @@ class StatsLogger:
     def log(self, elapsed: float) -> None:
         """Write this interval's lines and start a new interval."""
         eng = self.engine
+        # vLLM's worker logs its plan for each peer it first reads from (one TP rank each side here); the
+        # emulation writes it with the interval's lines, which is all a log reader needs of it.
+        for peer in sorted(self.handshaken - self._planned):
+            self._planned.add(peer)
+            eng.log.log("INFO", "transfer_plan", vl.MSG_TRANSFER_PLAN, 1, 8, 1, 1, 0, 1, 1, 0,
+                        eng.config.block_size * 8 * 128 * 2 * 2)
+        if len(self._planned) > 1024:
+            self._planned.clear()
         idle = self.prompt_tokens == 0 and self.generation_tokens == 0
         self._idle_intervals = self._idle_intervals + 1 if idle else 0
         level = "DEBUG" if self._idle_intervals >= 2 else "INFO"

@@ -95,6 +95,8 @@ MSG_ADDED_REQUEST: Final = "Added request %s."
 MSG_GENERATED_RESPONSE: Final = "Generated response %s%s: output: %r, output_token_ids: %s, finish_reason: %s"
 MSG_REQUEST_FAILED: Final = "Request %s failed."
 MSG_KV_METRICS: Final = "KV Transfer metrics: %s"
+MSG_TRANSFER_PLAN: Final = ("Transfer plan: TransferTopology(tp_ratio=%d, num_kv_heads=%d, local_tp=%d, remote_tp=%d, "
+                            "remote_pp=%d, local_dcp=%d, remote_dcp=%d, local_rank=%d, remote_block_len=%d)")
 MSG_CONNECTOR_CREATED: Final = "Creating v1 connector with name: %s and engine_id: %s"
 MSG_INIT_SCHEDULER: Final = "Initializing NIXL Scheduler %s"
 
