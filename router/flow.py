@@ -239,7 +239,8 @@ class TurnFlow:
         turn.body = body
         handle = claim.handle if claim is not None and claim.acquired else None
         coverage = handle.coverage if handle is not None else None
-        turn.view = prompt_view(body, coverage.lengths() if coverage is not None else ())
+        if turn.key is not None:  # without a conversation id nothing is stored: no view needed
+            turn.view = prompt_view(body, coverage.lengths() if coverage is not None else ())
         turn.order = self.upstreams.prefill_order()
         injection = None
         if handle is not None:
@@ -623,8 +624,10 @@ class TurnFlow:
         lookup = state.lookup
         view = turn.view
         if view is None:
-            state.not_kept = f"unsupported request shape: {unsupported_shape(turn.body or {})}"
             self.reuse.observe(params)
+            if turn.key is None or turn.claim is None or not turn.claim.acquired:
+                return None  # nothing is stored for this turn anyway
+            state.not_kept = f"unsupported request shape: {unsupported_shape(turn.body or {})}"
             return None
         previous = turn.claim.handle.coverage if turn.claim is not None and turn.claim.handle is not None else None
         try:
