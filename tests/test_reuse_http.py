@@ -235,7 +235,13 @@ async def test_a_rewritten_reply_is_trimmed_to_the_previous_prompt(bed: Bed, str
     seen = bed.stub.last_prefill
     limit = _expected_trim(_turn1_prompt_tokens(bed, m1), _turn1_handle_tokens(bed))
     assert seen.params["remote_num_tokens"] == limit and seen.wrong_kv_tokens == 0
-    assert (await bed.event(2))["trim_reason"] == "reply_edited"
+    ev = await bed.event(2)
+    assert ev["trim_reason"] == "reply_edited"
+    # A cut handle is still D's blocks sent to P: the reference proxy's hit lines.
+    log = (bed.tmp / "proxy.log").read_text()
+    assert "conv=c1: cache HIT (age=" in log
+    assert f"[{ev['request_id']}] conv=c1: sending D's cached blocks to P" in log
+    assert "not caching" not in log and "request history changed" not in log
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
@@ -337,6 +343,8 @@ async def test_without_a_known_block_size_nothing_is_cut(tmp_path: Path) -> None
         assert bed.stub.last_prefill.params["remote_engine_id"] is None
         ev = await bed.event(2)
         assert ev["trim_reason"] == "unverifiable" and "block size" in ev["attrs"]["reuse_detail"]
+        log = (bed.tmp / "proxy.log").read_text()
+        assert f"[{ev['request_id']}] conv=b1: cache MISS" in log and "request history changed" not in log
 
 
 async def test_block_size_flag_and_an_inconsistent_handle(tmp_path: Path) -> None:
