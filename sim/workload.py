@@ -239,39 +239,46 @@ class WorkloadRunner:
             completion_tokens=completion, ttft_ms=res.ttft_ms, duration_ms=res.duration_ms, gap_s=gap,
             status=res.status, http_status=res.http_status, attrs=attrs)
         self.log.write(event)
-        record = RequestRecord(event=event, stats=_request_stats(conv, prompt, res, prompt_tokens, completion))
+        stats = request_stats(prompt, res, prompt_tokens, completion,
+                              previous_sequence_tokens=conv.last_sequence_tokens,
+                              conversation_id=conv.conversation_id, client_id=conv.index)
+        record = RequestRecord(event=event, stats=stats)
         self.records.append(record)
         return record
 
 
 def _strip_assistant_messages(messages: list[dict[str, Any]]) -> bool:
-    """Drop the first half of every assistant message, as clients that strip reasoning from history do.
+    """Rewrite the history as clients that edit it do: the first message gets a stamp, every reply loses its head.
 
-    The router keeps the previous *prompt* as the handle's prefix, so only a turn whose history holds
-    two or more replies edits inside that prefix (router verdict prefix_mismatch); editing only the
-    latest reply is caught by P's opt-in digest check instead.
+    The router reuses up to the last turn boundary a prompt still reproduces, so only an edit of
+    the first message (a date stamped into the system prompt, a changed instruction) leaves no
+    boundary at all (router verdict prefix_mismatch); the stripped replies alone would still let
+    it reuse the first turn's prompt.
     """
-    edited = False
+    if not any(m.get("role") == "assistant" for m in messages):
+        return False
     for i, message in enumerate(messages):
-        if message.get("role") == "assistant":
+        if i == 0:
+            messages[0] = {**message, "content": "(edited) " + str(message.get("content") or "")}
+        elif message.get("role") == "assistant":
             words = str(message.get("content") or "").split(" ")
             kept = " ".join(words[len(words) // 2 + 1:]) or "(edited)"
             messages[i] = {"role": "assistant", "content": kept}
-            edited = True
-    return edited
+    return True
 
 
-def _request_stats(conv: Conversation, prompt: list[dict[str, Any]], res: ChatResult, prompt_tokens: int,
-                   completion: int) -> dict[str, Any]:
+def request_stats(prompt: Sequence[dict[str, Any]], res: ChatResult, prompt_tokens: int, completion: int, *,
+                  previous_sequence_tokens: int, conversation_id: str, client_id: int) -> dict[str, Any]:
+    """One request's vLLM multi-turn benchmark RequestStats record."""
     ttft = res.ttft_ms if res.ttft_ms is not None else 0.0
     tpot = (res.duration_ms - ttft) / (completion - 1) if completion > 1 else 0.0
     if res.cached_tokens is not None and prompt_tokens > 0:
         cached = 100.0 * res.cached_tokens / prompt_tokens
     else:  # as the benchmark does: the share of the prompt the previous turn already covered
-        cached = 100.0 * min(conv.last_sequence_tokens, prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
+        cached = 100.0 * min(previous_sequence_tokens, prompt_tokens) / prompt_tokens if prompt_tokens else 0.0
     values = (round(ttft, 3), round(tpot, 3), round(res.duration_ms, 3), round(res.start_ts * 1000.0, 3),
               len(prompt), prompt_tokens, completion, res.chunks, res.first_chunk_tokens, round(cached, 2),
-              conv.conversation_id, conv.index)
+              conversation_id, client_id)
     return dict(zip(REQUEST_STATS_FIELDS, values, strict=True))
 
 

@@ -1,7 +1,14 @@
 """One OpenAI chat request as the agent client sends it: streaming or not, timed, optionally dropped.
 
 TTFT is measured as vLLM's multi-turn benchmark does: client-side, from the send to the first
-chunk that carries content (the whole body for a non-streaming request).
+chunk that carries content (the whole body for a non-streaming request); with ``first_output``,
+to the first chunk of the reply whatever it carries (vLLM sends the role chunk with the first
+token, so a reply that starts with reasoning or a tool call is timed alike).
+
+Besides the content, the result keeps what an agent client sends back: the reasoning text (the
+``reasoning`` or older ``reasoning_content`` field) and the tool calls, assembled from their
+stream deltas by index as the openai SDK does (id, type, name, and the argument fragments
+concatenated).
 
 Usage::
 
@@ -45,6 +52,18 @@ class ChatResult:
     error: str | None = None
     kv_params_returned: bool = False
     usage: dict[str, Any] = field(default_factory=dict)
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def assistant_message(self, *, send_reasoning: bool = False) -> dict[str, Any]:
+        """The reply as an agent client sends it back: content, structured tool calls, reasoning only if asked."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text if self.text or not self.tool_calls
+                                   else None}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(call, function=dict(call["function"])) for call in self.tool_calls]
+        if send_reasoning and self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        return message
 
 
 def _apply_usage(result: ChatResult, usage: Any) -> None:
@@ -70,8 +89,12 @@ def _error_text(body: Any) -> str:
 
 
 async def send_chat(session: aiohttp.ClientSession, url: str, payload: dict[str, Any], *, request_id: str,
-                    stream: bool, timeout_s: float = 60.0, disconnect_after_first: bool = False) -> ChatResult:
-    """POST ``payload`` to ``{url}/v1/chat/completions`` and return what came back; never raises for HTTP."""
+                    stream: bool, timeout_s: float = 60.0, disconnect_after_first: bool = False,
+                    first_output: bool = False) -> ChatResult:
+    """POST ``payload`` to ``{url}/v1/chat/completions`` and return what came back; never raises for HTTP.
+
+    ``first_output``: TTFT at the reply's first chunk (reasoning, tool call or content alike).
+    """
     result = ChatResult(start_ts=now_ts(), request_id=request_id)
     started = time.perf_counter()
     body = dict(payload, stream=stream)
@@ -91,7 +114,7 @@ async def send_chat(session: aiohttp.ClientSession, url: str, payload: dict[str,
                     except json.JSONDecodeError:
                         result.error = raw[:300]
                 elif stream:
-                    await _read_stream(resp, result, started, disconnect_after_first)
+                    await _read_stream(resp, result, started, disconnect_after_first, first_output)
                 else:
                     _read_body(await resp.json(content_type=None), result)
                     result.ttft_ms = (time.perf_counter() - started) * 1000.0
@@ -113,6 +136,10 @@ def _read_body(obj: Any, result: ChatResult) -> None:
     choices = obj.get("choices") or [{}]
     message = choices[0].get("message") or {}
     result.text = str(message.get("content") or "")
+    result.reasoning = str(message.get("reasoning") or message.get("reasoning_content") or "")
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        result.tool_calls = [_call(c) for c in calls if isinstance(c, dict)]
     result.finish_reason = choices[0].get("finish_reason")
     result.chunks = 1
     result.kv_params_returned = obj.get("kv_transfer_params") is not None
@@ -122,9 +149,38 @@ def _read_body(obj: Any, result: ChatResult) -> None:
         result.error = "finish_reason=error"
 
 
+def _call(raw: dict[str, Any]) -> dict[str, Any]:
+    function = raw.get("function") if isinstance(raw.get("function"), dict) else {}
+    assert isinstance(function, dict)
+    return {"id": str(raw.get("id") or ""), "type": "function",
+            "function": {"name": str(function.get("name") or ""), "arguments": str(function.get("arguments") or "")}}
+
+
+def _merge_tool_deltas(calls: dict[int, dict[str, Any]], deltas: Any) -> None:
+    """Assemble streamed tool-call deltas by index (the openai SDK's accumulation)."""
+    if not isinstance(deltas, list):
+        return
+    for delta in deltas:
+        if not isinstance(delta, dict):
+            continue
+        index = delta.get("index", len(calls))
+        call = calls.setdefault(index if isinstance(index, int) else len(calls),
+                                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if delta.get("id"):
+            call["id"] = str(delta["id"])
+        function = delta.get("function")
+        if isinstance(function, dict):
+            if function.get("name"):
+                call["function"]["name"] += str(function["name"])
+            if function.get("arguments"):
+                call["function"]["arguments"] += str(function["arguments"])
+
+
 async def _read_stream(resp: aiohttp.ClientResponse, result: ChatResult, started: float,
-                       disconnect_after_first: bool) -> None:
+                       disconnect_after_first: bool, first_output: bool = False) -> None:
     parts: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
     while True:
         line_bytes = await resp.content.readline()
         if not line_bytes:
@@ -148,14 +204,23 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: ChatResult, started
             result.kv_params_returned = True
         _apply_usage(result, chunk.get("usage"))
         for choice in chunk.get("choices") or []:
-            content = (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
             if choice.get("finish_reason"):
                 result.finish_reason = choice["finish_reason"]
+            if first_output and result.ttft_ms is None and isinstance(delta, dict):
+                result.ttft_ms = (time.perf_counter() - started) * 1000.0
+            if isinstance(delta, dict):
+                thought = delta.get("reasoning") or delta.get("reasoning_content")
+                if isinstance(thought, str) and thought:
+                    reasoning.append(thought)
+                _merge_tool_deltas(calls, delta.get("tool_calls"))
             if content:
                 parts.append(content)
                 result.chunks += 1
-                if result.ttft_ms is None:
-                    result.ttft_ms = (time.perf_counter() - started) * 1000.0
+                if result.first_chunk_tokens == 0:
+                    if result.ttft_ms is None:
+                        result.ttft_ms = (time.perf_counter() - started) * 1000.0
                     result.first_chunk_tokens = max(len(content.split()), 1)
                     if disconnect_after_first:
                         # Drop the connection as an impatient client does: the server sees a disconnect.
@@ -164,6 +229,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: ChatResult, started
                         result.text = "".join(parts)
                         return
     result.text = "".join(parts)
+    result.reasoning = "".join(reasoning)
+    result.tool_calls = [calls[i] for i in sorted(calls)]
     if result.finish_reason == "error" and result.status == "ok":
         result.status = "error"
         result.error = "finish_reason=error"

@@ -38,7 +38,7 @@ class Scenario(StrEnum):
     NORMAL = "normal"
     REGENERATE = "regenerate"  # re-send the previous turn's prompt: P's own cache holds it (local_hit)
     DUPLICATE = "duplicate"  # a second copy of the turn while the first is in flight (concurrent_turn)
-    EDIT = "edit"  # strip part of every earlier reply first (prefix_mismatch from turn 3 on)
+    EDIT = "edit"  # rewrite the history first: the first message edited, replies stripped (prefix_mismatch)
     DISCONNECT = "disconnect"  # drop the stream after the first token (next turn: metadata_not_returned)
 
 

@@ -168,7 +168,8 @@ async def test_scenarios_shape_the_requests(fake: FakeServer, tmp_path: Path) ->
     assert stripped["role"] == "assistant" and stripped["content"] != reply1
     assert reply1.endswith(stripped["content"])  # the tail was kept, the head stripped
     assert len(edit[2]["messages"]) == 5 and edit[2]["messages"][3]["role"] == "assistant"
-    assert edit[2]["messages"][:1] == edit[1]["messages"][:1]
+    # the first message is edited too: no earlier turn's prompt is reproduced (router: prefix_mismatch)
+    assert edit[2]["messages"][0]["content"] == "(edited) " + edit[1]["messages"][0]["content"]
 
     drop_events = sorted(by_conv["drop"], key=lambda e: e.turn)
     assert [e.status for e in drop_events] == ["ok", "disconnected", "ok"]
