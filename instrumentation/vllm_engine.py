@@ -343,10 +343,16 @@ class Engine:
             self.step()
 
     def position_bytes(self, block_ids: list[int], n: int) -> list[bytes]:
-        """The raw bytes of positions ``0..n-1`` (all layers, K and V) held in ``block_ids``."""
+        """The raw bytes of positions ``0..n-1`` held in ``block_ids``: per position, every layer's K and V."""
         caches = list(self.kv_caches.values())
-        return [b"".join(cache[block_ids[pos // BLOCK_SIZE]][:, pos % BLOCK_SIZE, :].contiguous().numpy().tobytes()
-                         for cache in caches) for pos in range(n)]
+        out: list[bytes] = []
+        for i in range(-(-n // BLOCK_SIZE)):
+            # [layer, head, slot, channel] -> [slot, layer, head, channel]: one copy per block
+            raw = torch.stack([cache[block_ids[i]] for cache in caches]).permute(2, 0, 1, 3).contiguous()
+            data = raw.numpy().tobytes()
+            size = len(data) // BLOCK_SIZE
+            out.extend(data[k * size:(k + 1) * size] for k in range(min(BLOCK_SIZE, n - i * BLOCK_SIZE)))
+        return out
 
     def block_bytes(self, block_ids: list[int]) -> list[bytes]:
         """The raw bytes of each block, all layers (for byte-exact checks)."""

@@ -63,28 +63,33 @@ def variant(run: dict[str, Any], scenario: str, name: str) -> dict[str, Any]:
     return rec
 
 
-def assert_read_exactly(rec: dict[str, Any], tokens: int, prompt_tokens: int) -> None:
-    """P read D's first ceil(tokens/32) blocks into its positions 0.. and computed the rest."""
+def assert_read_exactly(rec: dict[str, Any], tokens: int, prompt_tokens: int, local: int = 0) -> None:
+    """P holds D's first ceil(tokens/32) blocks at its positions 0..: the first ``local`` tokens from its
+    own prefix cache, the rest read from D (vLLM pairs P's new blocks with the end of the handle's
+    list), and computed the rest of the prompt."""
     blocks = _cdiv(tokens, BLOCK)
-    assert rec["read_tokens"] == tokens > 0, rec
-    assert rec["vllm_read_d_blocks"] == rec["read_d_blocks"] == list(range(blocks)), rec
-    assert rec["nixl_bytes"] == [blocks * BLOCK_BYTES], rec
+    assert rec["read_tokens"] == tokens > local, rec     # P's computed tokens when the read landed
+    assert rec["read_d_blocks"] == list(range(blocks)), rec   # which of D's blocks P's blocks now equal
+    assert rec["vllm_read_d_blocks"] == list(range(local // BLOCK, blocks)), rec
+    assert rec["nixl_bytes"] == [(blocks - local // BLOCK) * BLOCK_BYTES], rec
     # ... and the turn completed: D's decode leg read P's blocks (byte-exact) and generated its reply
     assert (rec["next_d_finish"], rec["next_d_ok"], rec["next_d_read_matches_p"]) == ("length", True, True), rec
     assert rec["next_d_read_blocks"] == _cdiv(prompt_tokens, BLOCK)
     report = rec["report"]
     if report is not None:   # the kvdiag connector's own account of the same read
         r = PrefillReport.from_dict(report)
-        assert (r.remote_read_tokens, r.computed_tokens) == (tokens, prompt_tokens - tokens)
-        assert r.transfer_bytes == blocks * BLOCK_BYTES
+        assert (r.local_hit_tokens, r.remote_read_tokens, r.computed_tokens) == \
+            (local, tokens - local, prompt_tokens - tokens)
+        assert r.transfer_bytes == (blocks - local // BLOCK) * BLOCK_BYTES
 
 
 def test_every_scenario_ran_every_injection(run: dict[str, Any]) -> None:
     got = {(v["scenario"], v["variant"]) for v in run["variants"]}
     expected = {(s, v) for s in TRIMMED for v in ("router_trim@stock", "router_trim@exact", "full@stock",
                                                   "full@exact", "full@exact_off")}
-    expected |= {("tool_call_rerendered", "trim_no_margin@stock"), ("clean_continuation", "full@stock"),
-                 ("clean_continuation", "full@exact")}
+    expected |= {(s, v) for s in TRIMMED for v in ("router_trim@stock_pc", "full@exact_pc", "full@stock_pc")}
+    expected |= {("tool_call_rerendered", "trim_no_margin@stock")}
+    expected |= {("clean_continuation", v) for v in ("full@stock", "full@exact", "full@stock_pc", "full@exact_pc")}
     assert got == expected
     # the scenarios diverge where the template makes them: D's sequence is not a prefix of the next prompt
     for name in TRIMMED:
@@ -199,7 +204,7 @@ def test_a_trim_without_the_generation_prompt_margin_is_caught(run: dict[str, An
 
 
 def test_exact_mode_events_carry_the_mismatch(run: dict[str, Any]) -> None:
-    evs = {e.engine_request_id: e for e in read_events(Path(run["_out"]) / "prefill-exact-events.jsonl")
+    evs = {e.engine_request_id: e for e in read_events(Path(run["_out"]) / "pexact-events.jsonl")
            if e.event == "prefill_request"}
     full = evs["cmpl-edited_history-full@exact-tk1-p-0"]
     assert (full.outcome, full.mismatch_tokens, full.remote_read_tokens) == ("prefix_mismatch", 73, 160)
@@ -208,3 +213,49 @@ def test_exact_mode_events_carry_the_mismatch(run: dict[str, Any]) -> None:
     assert regen.attrs["unverified_tokens"] == 123 - 96 and regen.mismatch_tokens == 0
     trimmed = evs["cmpl-edited_history-router_trim@exact-tk1-p-0"]
     assert trimmed.mismatch_tokens == 0 and "pulled_matching_prefix" not in trimmed.attrs
+
+
+# --- P with prefix caching (vLLM's default): its cache holds the system prompt, so vLLM reads D's
+# blocks after P's local hit, pairing P's new blocks with the end of the handle's block list.
+
+def _local(s: dict[str, Any]) -> int:
+    return int(s["system_tokens"]) // BLOCK * BLOCK
+
+
+@pytest.mark.parametrize("scenario", TRIMMED)
+def test_router_trim_after_a_local_prefix_hit_is_byte_identical(run: dict[str, Any], scenario: str) -> None:
+    rec = variant(run, scenario, "router_trim@stock_pc")
+    s = run["scenarios"][scenario]
+    t = (s["rung_tokens"] - run["margin"]) // BLOCK * BLOCK
+    assert rec["injected_tokens"] == t and rec["wrong_positions"] == 0, rec
+    assert_read_exactly(rec, t, s["next_prompt_tokens"], local=_local(s))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_exact_mode_after_a_local_prefix_hit_is_byte_identical(run: dict[str, Any], scenario: str) -> None:
+    rec = variant(run, scenario, "full@exact_pc")
+    s = run["scenarios"][scenario]
+    assert rec["injected_tokens"] == rec["handle_tokens"] and rec["wrong_positions"] == 0, rec
+    assert_read_exactly(rec, _proven(s), s["next_prompt_tokens"], local=_local(s))
+
+
+def test_clean_continuation_after_a_local_prefix_hit_reads_the_rest_of_ds_sequence(run: dict[str, Any]) -> None:
+    rec = variant(run, "clean_continuation", "full@stock_pc")
+    s = run["scenarios"]["clean_continuation"]
+    assert rec["wrong_positions"] == 0, rec
+    assert_read_exactly(rec, s["d_tokens"], s["next_prompt_tokens"], local=_local(s))
+
+
+@pytest.mark.parametrize("scenario", TRIMMED)
+def test_full_handle_after_a_local_prefix_hit_is_caught_as_wrong_kv(run: dict[str, Any], scenario: str) -> None:
+    rec = variant(run, scenario, "full@stock_pc")
+    s = run["scenarios"][scenario]
+    assert rec["wrong_in_read"] > 0, rec
+    want = min(s["d_tokens"], s["next_prompt_tokens"])
+    last, first = rec["handle_blocks"], _local(s) // BLOCK
+    # vLLM reads the last ceil(want/32) - local blocks of D's list into P's blocks after its local hit
+    assert rec["vllm_read_d_blocks"] == list(range(last - (_cdiv(want, BLOCK) - first), last))
+    if s["next_prompt_tokens"] < s["d_tokens"]:
+        assert rec["first_wrong"] == _local(s)       # misaligned from the first block read
+    else:
+        assert rec["first_wrong"] == s["common_prefix"]

@@ -2,12 +2,14 @@
 
     python -m vllm_harness.kv_equivalence OUT_DIR      (cwd: tests/)
 
-One process, four engines (tests/vllm_harness/engine.py: vLLM's real v1 Scheduler, real NIXL/UCX
+One process, nine engines (tests/vllm_harness/engine.py: vLLM's real v1 Scheduler, real NIXL/UCX
 agents, CPU KV tensors): D runs KVDiagNixlConnector (it returns the block-hash digest); P runs the
 stock NixlConnector, KVDiagNixlConnector in its default exact mode, or KVDiagNixlConnector with
-exact mode off. Every engine writes the same deterministic "model" KV (writer tag 0): each slot is
-a function of the position, its token id and all earlier token ids, so KV is byte-equal exactly
-when the token prefixes are.
+exact mode off; and the same again with prefix caching on (vLLM's default, P and D must agree on
+it), where P's cache holds the system prompt so vLLM reads D's blocks after a local hit (stock P
+for the router's trim and the negative control, exact mode for the full handle). Every engine
+writes the same deterministic "model" KV (writer tag 0): each slot is a function of the position,
+its token id and all earlier token ids, so KV is byte-equal exactly when the token prefixes are.
 
 For each agent scenario, turn k runs P->D with D retaining its sequence (prompt + reply); turn
 k+1's prompt is rendered by a Qwen3-like template over token ids (reasoning dropped from history,
@@ -41,7 +43,6 @@ from vllm_harness.engine import BLOCK_SIZE, PAGE_BYTES, PLAIN_CONNECTOR, Engine,
 LAYERS = 2
 BLOCK_BYTES = LAYERS * PAGE_BYTES
 MARGIN = 8          # the router's generation-prompt margin (--template-margin-tokens default)
-P_KINDS = ("stock", "exact", "exact_off")
 
 # --- a Qwen3-like chat template over token ids ------------------------------------------------
 _NAMES = ("im_start", "im_end", "system", "user", "assistant", "think", "end_think", "tool_call", "end_tool_call",
@@ -80,6 +81,11 @@ class Scenario:
     next_prompt: list[int]
     rung_tokens: int | None          # None: the router gives the full handle (clean continuation)
     no_margin_control: bool = False  # also inject a trim without the margin (must be caught)
+
+    @property
+    def system_tokens(self) -> int:
+        """Length of the first message (the system prompt): what a P's prefix cache shares across turns."""
+        return self.prompt.index(TOK["im_end"]) + 2
 
 
 def scenarios() -> list[Scenario]:
@@ -138,16 +144,30 @@ class Variant:
     """One injection: which P, and how D's handle is cut."""
 
     name: str
-    p: str              # one of P_KINDS
+    p: str              # the P engine of turn k+1 (Bed.p)
     trim: str           # "router", "full" or "no_margin"
+
+    @property
+    def prefix_caching(self) -> bool:
+        """On the prefix-caching engines (vLLM's default): P's cache holds the system prompt, so vLLM
+        reads D's blocks after P's local hit (its end pairing of D's list), turn k runs on ``pc_leg``."""
+        return self.p.startswith("pc_")
+
+    @property
+    def leg(self) -> str:
+        return "pc_leg" if self.prefix_caching else self.p
 
 
 def variants(s: Scenario) -> list[Variant]:
     if s.rung_tokens is None:
-        return [Variant("full@stock", "stock", "full"), Variant("full@exact", "exact", "full")]
+        return [Variant("full@stock", "stock", "full"), Variant("full@exact", "exact", "full"),
+                Variant("full@stock_pc", "pc_stock_full", "full"), Variant("full@exact_pc", "pc_exact", "full")]
     out = [Variant("router_trim@stock", "stock", "router"), Variant("router_trim@exact", "exact", "router"),
            Variant("full@stock", "stock", "full"), Variant("full@exact", "exact", "full"),
-           Variant("full@exact_off", "exact_off", "full")]
+           Variant("full@exact_off", "exact_off", "full"),
+           # each prefix-caching P serves one injection per scenario, so its cache holds only the system prompt
+           Variant("router_trim@stock_pc", "pc_stock_trim", "router"), Variant("full@exact_pc", "pc_exact", "full"),
+           Variant("full@stock_pc", "pc_stock_full", "full")]
     if s.no_margin_control:
         out.append(Variant("trim_no_margin@stock", "stock", "no_margin"))
     return out
@@ -187,40 +207,53 @@ def _jsonable(obj: Any) -> Any:
 
 
 class Bed:
-    """D and the three kinds of P, stepped together."""
+    """D and the kinds of P, without and with prefix caching (P and D must agree on it), stepped together."""
 
     def __init__(self, work: Path) -> None:
         model = write_model_dir(work / "opt")
         bidir = {"bidirectional_kv_xfer": True}
-        self.d = Engine("D", model, work, writer_tag=0, num_blocks=1024,
-                        extra={**bidir, "kvdiag_role": "decode",
-                               "kvdiag_events_file": str(work / "decode-events.jsonl")})
+
+        def d(name: str, pc: bool) -> Engine:
+            return Engine(name, model, work, writer_tag=0, num_blocks=1024, prefix_caching=pc,
+                          extra={**bidir, "kvdiag_role": "decode",
+                                 "kvdiag_events_file": str(work / f"{name.lower()}-events.jsonl")})
+
+        def p(name: str, pc: bool, kvdiag: dict[str, Any] | None = None) -> Engine:
+            if kvdiag is None:
+                return Engine(name, model, work, writer_tag=0, num_blocks=512 if pc else 1024, prefix_caching=pc,
+                              connector=PLAIN_CONNECTOR, extra=bidir)
+            return Engine(name, model, work, writer_tag=0, num_blocks=512 if pc else 1024, prefix_caching=pc,
+                          extra={**bidir, **kvdiag, "kvdiag_role": "prefill",
+                                 "kvdiag_events_file": str(work / f"{name.lower()}-events.jsonl")})
+
+        self.d = d("D", False)
+        self.d_pc = d("Dpc", True)
         self.p = {
-            "stock": Engine("Pstock", model, work, writer_tag=0, num_blocks=1024, connector=PLAIN_CONNECTOR,
-                            extra=bidir),
-            "exact": Engine("Pexact", model, work, writer_tag=0, num_blocks=1024,
-                            extra={**bidir, "kvdiag_role": "prefill",
-                                   "kvdiag_events_file": str(work / "prefill-exact-events.jsonl")}),
-            "exact_off": Engine("Poff", model, work, writer_tag=0, num_blocks=1024,
-                                extra={**bidir, "kvdiag_role": "prefill", "kvdiag_pull_matching_prefix": False,
-                                       "kvdiag_events_file": str(work / "prefill-off-events.jsonl")}),
+            "stock": p("Pstock", False), "exact": p("Pexact", False, {}),
+            "exact_off": p("Poff", False, {"kvdiag_pull_matching_prefix": False}),
+            "pc_leg": p("PpcLeg", True), "pc_stock_trim": p("PpcTrim", True), "pc_stock_full": p("PpcFull", True),
+            "pc_exact": p("PpcExact", True, {}),
         }
         os.sched_setaffinity(0, _AFFINITY)
         for eng in self.p.values():
             eng.record_reads = True
-        self.engines = [self.d, *self.p.values()]
+        self.engines = [self.d, self.d_pc, *self.p.values()]
 
-    def until(self, done: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    def d_for(self, v: Variant) -> Engine:
+        return self.d_pc if v.prefix_caching else self.d
+
+    def until(self, done: Callable[[], bool], engines: list[Engine] | None = None, timeout_s: float = 120.0) -> None:
+        """Step ``engines`` (default: all) until ``done()``. A NIXL READ needs only the reader stepping."""
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"did not converge in {timeout_s} s")
-            for eng in self.engines:
+            for eng in engines or self.engines:
                 eng.step()
 
-    def pump(self, steps: int) -> None:
+    def pump(self, steps: int, engines: list[Engine] | None = None) -> None:
         for _ in range(steps):
-            for eng in self.engines:
+            for eng in engines or self.engines:
                 eng.step()
 
     def shutdown(self) -> None:
@@ -249,26 +282,28 @@ def run(work: Path) -> dict[str, Any]:
         for s, v in plan:
             key = f"{s.name}.{v.name}"
             ids[key] = (f"cmpl-{s.name}-{v.name}-tk-p-0", f"cmpl-{s.name}-{v.name}-tk-d-0")
-            bed.p[v.p].add(ids[key][0], s.prompt, max_tokens=1,
-                           kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
-        bed.until(lambda: all(ids[f"{s.name}.{v.name}"][0] in bed.p[v.p].finished for s, v in plan))
+            bed.p[v.leg].add(ids[key][0], s.prompt, max_tokens=1,
+                             kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        bed.until(lambda: all(ids[f"{s.name}.{v.name}"][0] in bed.p[v.leg].finished for s, v in plan))
         for s, v in plan:
             p_rid, d_rid = ids[f"{s.name}.{v.name}"]
-            bed.d.reply_plans[d_rid] = list(s.reply)
-            bed.d.add(d_rid, s.prompt, max_tokens=len(s.reply),
-                      kv_transfer_params=bed.p[v.p].finished[p_rid].kv_transfer_params)
-        bed.until(lambda: all(ids[f"{s.name}.{v.name}"][1] in bed.d.finished for s, v in plan))
+            d = bed.d_for(v)
+            d.reply_plans[d_rid] = list(s.reply)
+            d.add(d_rid, s.prompt, max_tokens=len(s.reply),
+                  kv_transfer_params=bed.p[v.leg].finished[p_rid].kv_transfer_params)
+        bed.until(lambda: all(ids[f"{s.name}.{v.name}"][1] in bed.d_for(v).finished for s, v in plan))
         results["turn_k_seconds"] = round(time.monotonic() - t0, 2)
         for s in scns:
             d_seq = s.prompt + s.reply[:-1]       # the last sampled token has no KV yet
             ref_rid = f"cmpl-{s.name}-reference-0"
             bed.p["stock"].add(ref_rid, s.next_prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            bed.until(lambda rid=ref_rid: rid in bed.p["stock"].finished)
+            bed.until(lambda rid=ref_rid: rid in bed.p["stock"].finished, [bed.p["stock"]])
             _out, ref = _prefill_positions(bed.p["stock"], ref_rid, len(s.next_prompt))
             common = _common_prefix(d_seq, s.next_prompt)
             results["scenarios"][s.name] = {
                 "prompt_tokens": len(s.prompt), "reply_tokens": len(s.reply), "d_tokens": len(d_seq),
                 "next_prompt_tokens": len(s.next_prompt), "rung_tokens": s.rung_tokens, "common_prefix": common,
+                "system_tokens": s.system_tokens,
                 # positions past the divergence where the token id itself equals D's (only its prefix differs)
                 "same_token_after_divergence": sum(1 for a, b in zip(d_seq[common:], s.next_prompt[common:],
                                                                     strict=False) if a == b)}
@@ -281,17 +316,22 @@ def run(work: Path) -> dict[str, Any]:
 
 def _inject(bed: Bed, s: Scenario, v: Variant, d_rid: str, d_seq: list[int], ref: list[bytes]) -> dict[str, Any]:
     started = time.monotonic()
-    d_out = bed.d.finished[d_rid]
+    d_eng = bed.d_for(v)
+    d_out = d_eng.finished[d_rid]
     d_params = d_out.kv_transfer_params
     d_blocks = list(d_params["remote_block_ids"][0])
-    d_sha = _sha(bed.d.block_bytes(d_blocks))
+    d_sha = _sha(d_eng.block_bytes(d_blocks))
     handle, router_t = injected(s, v, d_params)
     p = bed.p[v.p]
     rid = f"cmpl-{s.name}-{v.name}-tk1-p-0"
+    if v.prefix_caching:   # P has served this system prompt before: its blocks are in P's prefix cache
+        warm = f"cmpl-{s.name}-{v.name}-warm-0"
+        p.add(warm, s.prompt[:s.system_tokens], max_tokens=1)
+        bed.until(lambda: warm in p.finished, [p])
     stats_before = len(p.stats)
     p.add(rid, s.next_prompt, max_tokens=1, kv_transfer_params=handle)
-    bed.until(lambda: rid in p.finished)
-    bed.pump(3)     # NIXL's stats for the read reach the scheduler's stats within a step or two
+    bed.until(lambda: rid in p.finished, [p, d_eng])
+    bed.pump(3, [p, d_eng])     # NIXL's stats for the read reach the scheduler's stats within a step or two
     out, got = _prefill_positions(p, rid, len(s.next_prompt))
     received = p.received.get(rid, {})
     read_tokens = int(received.get("tokens", 0))
@@ -299,19 +339,21 @@ def _inject(bed: Bed, s: Scenario, v: Variant, d_rid: str, d_seq: list[int], ref
     read_plan = p.read_plans.get(rid)
     vllm_read = None
     if read_plan is not None:   # vLLM's own pairing: P's allocated blocks with the END of D's list
-        local, remote = read_plan["local"][0], read_plan["remote"][0]
+        local, remote = read_plan["local"][0], read_plan["remote"][0]   # local: P's blocks for the read
         vllm_read = [d_blocks.index(b) if b in d_blocks else None for b in remote[-len(local):]]
     nixl_bytes = [b for st in p.stats[stats_before:] for b in st.get("bytes_transferred", [])]
-    turn = _finish_turn(bed, s, v, p, out) if v.trim == "router" or v.p == "exact" or s.rung_tokens is None else {}
+    safe = v.trim == "router" or v.p in ("exact", "pc_exact") or s.rung_tokens is None
+    turn = _finish_turn(bed, s, v, p, out) if safe else {}
     return {**turn,
-        "scenario": s.name, "variant": v.name, "p": v.p, "trim": v.trim,
-        "d_finish": str(d_out.finish_reason), "d_generated_ok": bed.d.tokens.get(d_rid) == s.reply,
+        "scenario": s.name, "variant": v.name, "p": v.p, "trim": v.trim, "prefix_caching": v.prefix_caching,
+        "d_finish": str(d_out.finish_reason), "d_generated_ok": d_eng.tokens.get(d_rid) == s.reply,
         "handle_tokens": d_params["remote_num_tokens"], "handle_blocks": len(d_blocks),
         "injected_tokens": handle["remote_num_tokens"], "injected_blocks": len(handle["remote_block_ids"][0]),
         "router_t": router_t, "digest": d_params.get("kvdiag_digest"),
         "read_tokens": read_tokens,
         "read_d_blocks": [d_sha.index(x) if x in d_sha else None for x in _sha(received.get("bytes", []))],
         "vllm_read_d_blocks": vllm_read, "vllm_remote_num_tokens": read_plan["num_tokens"] if read_plan else None,
+        "vllm_read_local_blocks": len(read_plan["local"][0]) if read_plan else 0,
         "nixl_bytes": nixl_bytes,
         "wrong_positions": len(wrong), "wrong_in_read": sum(1 for i in wrong if i < read_tokens),
         "first_wrong": wrong[0] if wrong else None,
@@ -323,11 +365,12 @@ def _finish_turn(bed: Bed, s: Scenario, v: Variant, p: Engine, out: Any) -> dict
     """Turn k+1's decode leg on D (P->D read of P's blocks, a few tokens): the turn completes."""
     rid = f"cmpl-{s.name}-{v.name}-tk1-d-0"
     p_sha = _sha(p.block_bytes(list(out.kv_transfer_params["remote_block_ids"][0])))  # before D frees them
-    bed.d.reply_plans[rid] = words(99, 4)
-    bed.d.add(rid, s.next_prompt, max_tokens=4, kv_transfer_params=out.kv_transfer_params)
-    bed.until(lambda: rid in bed.d.finished)
-    got = _sha(bed.d.received.get(rid, {}).get("bytes", []))
-    return {"next_d_finish": str(bed.d.finished[rid].finish_reason), "next_d_ok": bed.d.tokens.get(rid) == words(99, 4),
+    d = bed.d_for(v)
+    d.reply_plans[rid] = words(99, 4)
+    d.add(rid, s.next_prompt, max_tokens=4, kv_transfer_params=out.kv_transfer_params)
+    bed.until(lambda: rid in d.finished, [d, p])
+    got = _sha(d.received.get(rid, {}).get("bytes", []))
+    return {"next_d_finish": str(d.finished[rid].finish_reason), "next_d_ok": d.tokens.get(rid) == words(99, 4),
             "next_d_read_blocks": len(got), "next_d_read_matches_p": bool(got) and got == p_sha[:len(got)]}
 
 
