@@ -265,7 +265,11 @@ def _answered(facts: TurnFacts) -> bool:
     """
     if facts.client_events:
         return any(ev.event.status == "ok" for ev in facts.client_events)
-    return facts.client_stat is not None or (facts.proxy is not None and facts.proxy.stored is not None)
+    proxy = facts.proxy
+    if proxy is not None and proxy.stored is not None:
+        return True
+    # a record beside a proxy that shows the prefill leg failing proves nothing (no such benchmark record)
+    return facts.client_stat is not None and (proxy is None or not _prefill_leg_failed(proxy))
 
 
 def _answer_proof(facts: TurnFacts) -> Located | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import json
@@ -51,6 +52,7 @@ def _rotation_key(path: str) -> tuple[str, int]:
     return (os.path.join(os.path.dirname(path), base), -n)
 
 
+@functools.lru_cache(maxsize=1024)
 def rotation_base(path: str) -> str:
     """The log a rotated file belongs to (``prefill.log.2.gz`` -> ``prefill.log``, same folder)."""
     return _rotation_key(path)[0]

@@ -89,9 +89,15 @@ def _params_fields(text: str) -> dict[str, Any]:
     return out
 
 
+_RATES: Final = {name: re.compile(rf"(?:^|, ){re.escape(name)}: ([\d.]+)%")
+                 for name in ("Prefix cache hit rate", "External prefix cache hit rate")}
+
+
 def _rate(text: str, name: str) -> float | None:
     """A ``<name>: N%`` part of vLLM's periodic ``Engine NNN:`` line (absent: None)."""
-    m = re.search(rf"(?:^|, ){re.escape(name)}: ([\d.]+)%", text)
+    if name not in text:
+        return None
+    m = _RATES[name].search(text)
     return float(m.group(1)) if m else None
 
 

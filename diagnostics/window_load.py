@@ -7,6 +7,7 @@ reads that wait for a window, so the other reads sharing those windows are count
 
 from __future__ import annotations
 
+import mmap
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -18,15 +19,25 @@ from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log import PROXY_RE, parse_proxy_numbered, wall_clock
 from kvdiag.diagnostics.scan import grep_ere, grep_lines, head_lines
 from kvdiag.diagnostics.vllm_log import parse_vllm_numbered
-from kvdiag.diagnostics.windows import LEAD_S, MAX_BLOCK, OPEN_READ_S, Ledger, ProxyRange, build_ledger
+from kvdiag.diagnostics.windows import (
+    LEAD_S,
+    MAX_BLOCK,
+    OPEN_READ_S,
+    Ledger,
+    ProxyRange,
+    build_ledger,
+    not_periodic,
+    vllm_wall_clock,
+)
 
 TAIL_BYTES: Final = 64 * 1024
 HEAD_LIMIT: Final = 4 * 1024 * 1024  # P logs its configuration and first transfer plans near its start
 STAT_KEYWORDS: Final = (b"KV Transfer metrics: ", b"Avg prompt throughput: ", b"Transfer plan: ", b"with config: ")
+# P's lines kept from a time span: the stat lines and every per-request kind windows.py reads (D's lines
+# only tell which of the other reads succeeded, which the windows do not need to know).
 # Around the reads to decide: the lead a window needs to count as complete, and a run of windows of up
 # to 30 s each on both sides.
 SPAN_MARGIN_S: Final = LEAD_S + MAX_BLOCK * 30.0
-# Engine lines worth parsing in a time span: the stat lines and every per-request kind windows.py reads.
 _SPAN_KEEP: Final = re.compile(b"|".join(re.escape(k) for k in (
     *STAT_KEYWORDS, b"Declining expired", b"NIXL transfer failure", b"due to KV load failure", b"Skipping KV post",
     b"Skipping remote pull", b"calling _read_blocks", b"Finished recving", b"Got invalid KVTransferParams",
@@ -78,10 +89,14 @@ def ledger_for_index(index: LogIndex) -> Ledger | None:
     stats = LineStats()
     for path in _engine_files(index):
         try:
-            extra.vllm.extend(r for r in parse_vllm_numbered(grep_lines(path, STAT_KEYWORDS), path, stats)
-                              if r.kind in ("engine_stats", "kv_metrics", "transfer_plan", "engine_config"))
+            lines = list(grep_lines(path, STAT_KEYWORDS))
         except LogReadError:
             return None
+        if not _periodic(ln for _, ln in lines):
+            return not_periodic(index, "P's stat lines are not periodic (several a second for one engine), so "
+                                       "they mark no stats windows")
+        extra.vllm.extend(r for r in parse_vllm_numbered(lines, path, stats)
+                          if r.kind in ("engine_stats", "kv_metrics", "transfer_plan", "engine_config"))
     log_range = proxy_range(p for p, fmt in index.formats.items() if fmt == "proxy")
     return build_ledger(extra, log_range) if log_range is not None else None
 
@@ -107,6 +122,65 @@ def _prefixes(spans: list[tuple[float, float]], fmt: str) -> list[str]:
     return list(out)
 
 
+_ENGINE_TICK: Final = re.compile(rb" (?:INFO|DEBUG) +(\d\d-\d\d \d\d:\d\d:\d\d) \[[^\]]*\] Engine (\d+): Avg prompt")
+
+
+def _periodic(lines: Iterable[bytes]) -> bool:
+    """At most one Engine line per engine and second, as vLLM's periodic stat logger writes them."""
+    ticks: dict[bytes, list[bytes]] = {}
+    for line in lines:
+        m = _ENGINE_TICK.search(line)
+        if m:
+            ticks.setdefault(m.group(2), []).append(m.group(1))
+    for stamps in ticks.values():
+        repeats = len(stamps) - len(set(stamps))
+        if repeats > 0.05 * len(stamps):
+            return False
+    return True
+
+
+_STAMP: Final = re.compile(rb" (?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +(\d\d-\d\d \d\d:\d\d:\d\d) \[")
+PROBE_RADIUS_S: Final = 30.0
+PROBE_BYTES: Final = 8 * 1024 * 1024
+
+
+def _probe(path: str, center: float) -> list[bytes]:
+    """The lines of a (time-ordered) vLLM log within PROBE_RADIUS_S of ``center``, found by bisecting byte
+    offsets on the lines' timestamps; every line for a compressed file (it cannot be bisected)."""
+    if path.endswith(".gz"):
+        return [ln for _, ln in grep_lines(path, [b"Avg prompt throughput: "])]
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with fh:
+        size = fh.seek(0, 2)
+        if size == 0:
+            return []
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            def stamp_after(pos: int) -> float | None:
+                m = _STAMP.search(mm, pos, min(size, pos + 65536))
+                return vllm_wall_clock(m.group(1).decode(), center) if m else None
+
+            lo, hi = 0, size
+            while hi - lo > 65536:
+                mid = (lo + hi) // 2
+                t = stamp_after(mid)
+                if t is None or t >= center - PROBE_RADIUS_S:
+                    hi = mid
+                else:
+                    lo = mid
+            out: list[bytes] = []
+            start = mm.rfind(b"\n", 0, lo) + 1
+            for line in mm[start:min(size, start + PROBE_BYTES)].split(b"\n"):
+                m = _STAMP.search(line)
+                t = vllm_wall_clock(m.group(1).decode(), center) if m else None
+                if t is not None and t > center + PROBE_RADIUS_S:
+                    break
+                out.append(line)
+            return out
+
+
 def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[str]) -> Ledger | None:
     """One conversation: read every proxy and engine line near the reads in ``wanted`` and build the ledger."""
     ends: dict[str, float] = {}
@@ -126,17 +200,22 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
     seen = {(r.path, r.lineno) for r in index.proxy}
     extra = LogIndex(events=index.events, file_roles=index.file_roles, formats=index.formats)
     stats = LineStats()
-    engine_roles = ("prefill", "decode")
-    head_keys = (b"Transfer plan: ", b"with config: ")
+    center = min(starts.values())
+    # Stat lines several a second mark no windows: a look at the minute around the first read (a few
+    # reads of P's log at bisected offsets) spares reading the rest.
+    if not all(_periodic(_probe(path, center)) for path in _engine_files(index)):
+        return not_periodic(index, "P's stat lines are not periodic (several a second for one engine), so they "
+                                   "mark no stats windows")
+    p_lines: dict[str, dict[int, bytes]] = {}
+    for path in _engine_files(index):
+        p_lines[path] = dict(ln for ln in grep_ere(path, vllm_ere) if _SPAN_KEEP.search(ln[1]))
+    for path, lines in p_lines.items():
+        lines.update(head_lines(path, (b"Transfer plan: ", b"with config: "), HEAD_LIMIT))
+        extra.vllm.extend(parse_vllm_numbered(sorted(lines.items()), path, stats))
     for f in files:
         if f.fmt == "proxy":
             extra.proxy.extend(r for r in parse_proxy_numbered(grep_ere(f.path, proxy_ere), f.path, stats)
                                if (r.path, r.lineno) not in seen)
-        elif f.fmt == "vllm" and index.file_roles.get(f.path) in engine_roles:
-            lines = dict(ln for ln in grep_ere(f.path, vllm_ere) if _SPAN_KEEP.search(ln[1]))
-            if index.file_roles.get(f.path) == "prefill":
-                lines.update(head_lines(f.path, head_keys, HEAD_LIMIT))
-            extra.vllm.extend(parse_vllm_numbered(sorted(lines.items()), f.path, stats))
     if not any(r.kind == "transfer_plan" for r in extra.vllm):  # logged at P's first read from each D
         for path in _engine_files(index):
             extra.vllm.extend(r for r in parse_vllm_numbered(grep_lines(path, [b"Transfer plan: "]), path, stats)

@@ -267,3 +267,31 @@ def test_fixture_is_what_vllm_writes(tmp_path: Path) -> None:
     for name in (*FILES, "bench.console.log"):
         assert (tmp_path / "real_vllm_info" / name).read_text() == (RUN / name).read_text(), name
     assert (tmp_path / "real_vllm_info.truth.json").read_text() == (FIXTURES / "real_vllm_info.truth.json").read_text()
+
+
+def test_the_probe_bisects_a_large_log_to_the_minute_around_a_read(tmp_path: Path) -> None:
+    import time
+
+    from kvdiag.diagnostics.window_load import PROBE_RADIUS_S, _periodic, _probe
+
+    t0 = 1_795_946_400.0
+    lines = []
+    for i in range(60_000):  # 6 lines a second for 10,000 s: ~9 MB
+        t = t0 + i / 6
+        stamp = time.strftime("%m-%d %H:%M:%S", time.gmtime(t))
+        lines.append(f"(APIServer pid=7) INFO {stamp} [launcher.py:46] request {i}\n")
+        if i % 60 == 0:
+            lines.append(f"(APIServer pid=7) INFO {stamp} [loggers.py:335] Engine 000: Avg prompt throughput: "
+                         "1.0 tokens/s, Avg generation throughput: 1.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs\n")
+    path = tmp_path / "prefill.log"
+    path.write_text("".join(lines))
+    center = t0 + 5_000.0
+    got = _probe(str(path), center)
+    stamps = {ln.split(b" INFO ")[1][:14].decode() for ln in got if b" INFO " in ln}
+    want = {time.strftime("%m-%d %H:%M:%S", time.gmtime(center + d)) for d in range(-20, 21)}
+    assert want <= stamps and len(got) < 2 * 6 * (2 * PROBE_RADIUS_S + 60)
+    assert _periodic(got)
+    # several Engine lines a second: not periodic
+    dense = tmp_path / "dense.log"
+    dense.write_text("".join(ln for ln in lines for _ in range(3 if "Engine 000" in ln else 1)))
+    assert not _periodic(_probe(str(dense), center))
