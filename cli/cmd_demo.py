@@ -26,6 +26,7 @@ def demo(out_dir: Path | None, keep_going: bool) -> None:
     except DemoError as exc:
         raise click.ClickException(str(exc)) from None
     result.summary.render(console, how=produced_by(result.timings))
+    result.agents.render(console)
     for note in result.notes:
         console.print(f"[yellow]note: {note}[/yellow]")
     console.print(f"Done in {result.elapsed_s:.1f} s; every process stopped. Logs: {result.out_dir}/")
@@ -35,6 +36,9 @@ def demo(out_dir: Path | None, keep_going: bool) -> None:
     if result.summary.missing and not keep_going:
         raise click.ClickException("the demo did not produce every verdict (see the red line above); "
                                    f"inspect the logs in {result.out_dir}/ or rerun with --keep-going")
+    if result.agents.engine_wrong_kv_tokens and not keep_going:
+        raise click.ClickException("P loaded KV computed for other tokens behind the router (see the red line "
+                                   f"above); inspect {result.out_dir}/agent-router-events.jsonl")
 
 
 COMMANDS = (demo,)

@@ -60,6 +60,8 @@ Examples:
               help="Agent profiles: send the reasoning back as reasoning_content (default: not sent back).")
 @click.option("--hide-reasoning", is_flag=True,
               help="Agent profiles: ask for include_reasoning: false (the client never sees the trace).")
+@click.option("--no-thinking", is_flag=True,
+              help='Agent profiles: chat_template_kwargs {"enable_thinking": false} (Qwen3 answers without a trace).')
 @click.option("--size-scale", default=1.0, show_default=True, type=click.FloatRange(0.01, 4.0),
               help="Agent profiles: message and tool-output sizes (and turn ranges, up to 1) times this.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for plans, text and sampling.")
@@ -71,7 +73,7 @@ Examples:
 @click.option("--stats-json-output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write vLLM multi-turn benchmark RequestStats records (JSON array).")
 def workload(client_log: Path, stats_json_output: Path | None, profile: str, turns: int | None, send_reasoning: bool,
-             hide_reasoning: bool, size_scale: float, **options: object) -> None:
+             hide_reasoning: bool, no_thinking: bool, size_scale: float, **options: object) -> None:
     """Run a multi-turn agent workload and write the client log."""
     agent = profile != "chat"
     if agent:
@@ -81,9 +83,9 @@ def workload(client_log: Path, stats_json_output: Path | None, profile: str, tur
         if given:
             raise click.ClickException(f"{', '.join(given)}: chat-profile options; agent profiles plan their own "
                                        "turns (see docs/workload.md)")
-    elif send_reasoning or hide_reasoning:
-        raise click.ClickException("--send-reasoning/--hide-reasoning apply to agent profiles: add --profile, "
-                                   "e.g. --profile reasoning-chat")
+    elif send_reasoning or hide_reasoning or no_thinking:
+        raise click.ClickException("--send-reasoning/--hide-reasoning/--no-thinking apply to agent profiles: add "
+                                   "--profile, e.g. --profile reasoning-chat")
     if send_reasoning and hide_reasoning:
         raise click.ClickException("--send-reasoning and --hide-reasoning exclude each other (hidden reasoning "
                                    "cannot be sent back)")
@@ -99,8 +101,10 @@ def workload(client_log: Path, stats_json_output: Path | None, profile: str, tur
         raise click.ClickException(f"{exc}. See `kvdiag workload --help`.") from None
     result: WorkloadResult
     if spec is not None:
-        result = asyncio.run(run_agent_workload(config, spec, options=AgentOptions(send_reasoning, hide_reasoning),
-                                                client_log=client_log, stats_json=stats_json_output))
+        agent_options = AgentOptions(send_reasoning=send_reasoning, hide_reasoning=hide_reasoning,
+                                     thinking=not no_thinking)
+        result = asyncio.run(run_agent_workload(config, spec, options=agent_options, client_log=client_log,
+                                                stats_json=stats_json_output))
     else:
         result = asyncio.run(run_workload(config, client_log=client_log, stats_json=stats_json_output))
     counts = ", ".join(f"{k}={v}" for k, v in sorted(result.status_counts().items())) or "none"

@@ -8,6 +8,11 @@ groups, SIGTERM then SIGKILL), and leaves every component's log in one folder:
     prefill-events.jsonl, decode-events.jsonl, router-events.jsonl, client.jsonl   TurnEvents
     proxy.log                          disagg_proxy_multiturn.py-style router log
     client-stats.json                  vLLM multi-turn benchmark RequestStats records
+    agent-*                            the same for the agent testbed (kvdiag.demo.agent_phases)
+
+Two testbeds run side by side: the verdict testbed (one P, one D, one router, tuned so that
+every verdict appears) and the agent testbed (P prefix caching off, vLLM's reasoning and tool
+parsers, the calibrated time model), which carries the agent scenarios and the article pair.
 
 Usage::
 
@@ -31,10 +36,13 @@ from typing import Final
 
 import aiohttp
 
+from kvdiag.demo.agent_phases import AGENT_PROFILE, AGENT_TIME_SCALE, run_agent_phases
+from kvdiag.demo.agent_summary import AGENT_FILES, AgentSummary, summarize_agents
 from kvdiag.demo.processes import Component, ComponentError
 from kvdiag.demo.scenarios import DemoTimings, FaultStep, PhaseContext, PhaseError, run_phases
 from kvdiag.demo.summary import DemoSummary, summarize
 from kvdiag.schema.verdicts import Verdict
+from kvdiag.sim.agent_client import AgentOptions, AgentRunner
 from kvdiag.sim.workload import ClientLogWriter, WorkloadRunner, write_request_stats
 from kvdiag.sim.workload_plan import WorkloadConfig
 
@@ -50,7 +58,10 @@ SHORT_REPLY: Final = 24  # one block < remainder < threshold -> below_threshold
 NEW_TOKENS: Final = 40
 
 OUTPUT_FILES: Final = ("prefill.log", "decode.log", "prefill-events.jsonl", "decode-events.jsonl",
-                       "router-events.jsonl", "proxy.log", "client.jsonl", "client-stats.json")
+                       "router-events.jsonl", "proxy.log", "client.jsonl", "client-stats.json", *AGENT_FILES)
+# The agent testbed's D holds every long turn (the recomputed conversation's are never read): room for them.
+AGENT_NUM_BLOCKS: Final = 65_536
+AGENT_DECODE_TTL: Final = 120.0
 
 # Phase 2, one switch at a time: on P (the reader of D's blocks), and on D for a failure unrelated to reuse
 # (the router infers transfer_failed when P fails a request it handed D's handle to).
@@ -78,6 +89,7 @@ class DemoResult:
     timings: DemoTimings = field(default_factory=DemoTimings)
     notes: list[str] = field(default_factory=list)
     report_path: Path | None = None
+    agents: AgentSummary = field(default_factory=AgentSummary)
 
 
 def default_out_dir(base: Path = Path("demo-out")) -> Path:
@@ -98,12 +110,24 @@ def _engine_args(role: str, out: Path, timings: DemoTimings) -> list[str]:
             "--log-file", str(out / f"{role}.log"), "--events-file", str(out / f"{role}-events.jsonl")]
 
 
-def _router_args(out: Path, prefill: Component, decode: Component, timings: DemoTimings, port: int) -> list[str]:
+def _agent_engine_args(role: str, out: Path) -> list[str]:
+    args = ["sim", role, "--host", "127.0.0.1", "--port", "0", "--model", DEMO_MODEL, "--mode", "instrumented",
+            "--profile", AGENT_PROFILE, "--time-scale", str(AGENT_TIME_SCALE), "--block-size", str(BLOCK_SIZE),
+            "--kv-recompute-threshold", str(THRESHOLD), "--decoder-kv-blocks-ttl", f"{AGENT_DECODE_TTL:g}",
+            "--num-blocks", str(AGENT_NUM_BLOCKS), "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
+            "--tool-call-parser", "hermes", "--log-file", str(out / f"agent-{role}.log"),
+            "--events-file", str(out / f"agent-{role}-events.jsonl")]
+    return [*args, "--no-prefix-caching"] if role == "prefill" else args
+
+
+def _router_args(out: Path, prefill: Component, decode: Component, timings: DemoTimings, port: int,
+                 prefix: str = "") -> list[str]:
+    ttl = (["--decoder-kv-blocks-ttl", f"{timings.decode_ttl:g}", "--entry-ttl", f"{timings.router_ttl:g}"]
+           if not prefix else ["--decoder-kv-blocks-ttl", f"{AGENT_DECODE_TTL:g}"])
     return ["router", "--host", "127.0.0.1", "--port", str(port),
             "--prefiller-host", "127.0.0.1", "--prefiller-port", str(prefill.port),
-            "--decoder-host", "127.0.0.1", "--decoder-port", str(decode.port),
-            "--decoder-kv-blocks-ttl", f"{timings.decode_ttl:g}", "--entry-ttl", f"{timings.router_ttl:g}",
-            "--events-file", str(out / "router-events.jsonl"), "--proxy-log", str(out / "proxy.log")]
+            "--decoder-host", "127.0.0.1", "--decoder-port", str(decode.port), *ttl,
+            "--events-file", str(out / f"{prefix}router-events.jsonl"), "--proxy-log", str(out / f"{prefix}proxy.log")]
 
 
 class _Testbed:
@@ -115,11 +139,17 @@ class _Testbed:
         self.components: dict[str, Component] = {}
 
     def start(self) -> None:
-        for role in ("prefill", "decode"):  # both boot at once; each is registered before any wait
+        for role in ("prefill", "decode"):  # all boot at once; each is registered before any wait
             self.components[role] = Component.launch(role, _engine_args(role, self.out, self.timings), self.out)
-        for role in ("prefill", "decode"):
-            self.components[role].wait_ready()
+            self.components[f"agent-{role}"] = Component.launch(f"agent-{role}", _agent_engine_args(role, self.out),
+                                                                self.out)
+        for name in ("prefill", "decode", "agent-prefill", "agent-decode"):
+            self.components[name].wait_ready()
+        agent = _router_args(self.out, self.components["agent-prefill"], self.components["agent-decode"],
+                             self.timings, 0, prefix="agent-")
+        self.components["agent-router"] = Component.launch("agent-router", agent, self.out)
         self._start_router(0)
+        self.components["agent-router"].wait_ready()
 
     def _start_router(self, port: int) -> None:
         args = _router_args(self.out, self.components["prefill"], self.components["decode"], self.timings, port)
@@ -138,7 +168,7 @@ class _Testbed:
 
     def close(self) -> list[str]:
         errors = []
-        for name in ("router", "decode", "prefill"):
+        for name in ("router", "agent-router", "decode", "agent-decode", "prefill", "agent-prefill"):
             comp = self.components.pop(name, None)
             if comp is None:
                 continue
@@ -155,14 +185,25 @@ async def _drive(bed: _Testbed, keep_going: bool) -> list[str]:
                             max_tokens=SHORT_REPLY, concurrency=16, request_timeout=30.0)
     ctx = PhaseContext(prefill_url=bed.components["prefill"].url, decode_url=bed.components["decode"].url,
                        restart_router=bed.restart_router, timings=timings, keep_going=keep_going)
+    agent_config = WorkloadConfig(url=bed.components["agent-router"].url, model=DEMO_MODEL, concurrency=16,
+                                  request_timeout=60.0, seed=0)
     log = ClientLogWriter(bed.out / "client.jsonl")
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             runner = WorkloadRunner(config, session, log=log)
+            agent_runners: list[AgentRunner] = []
+
+            def agent_runner(options: AgentOptions) -> AgentRunner:
+                agent_runners.append(AgentRunner(agent_config, session, options=options, log=log))
+                return agent_runners[-1]
+
             try:
-                await run_phases(runner, ctx, FAULT_STEPS, long_reply=LONG_REPLY, short_reply=SHORT_REPLY)
+                await asyncio.gather(
+                    run_phases(runner, ctx, FAULT_STEPS, long_reply=LONG_REPLY, short_reply=SHORT_REPLY),
+                    run_agent_phases(agent_runner))
             finally:
-                write_request_stats(bed.out / "client-stats.json", runner.records)
+                records = [*runner.records, *(r for a in agent_runners for r in a.records)]
+                write_request_stats(bed.out / "client-stats.json", sorted(records, key=lambda r: r.event.ts))
     finally:
         log.close()
     return ctx.notes
@@ -191,7 +232,8 @@ def run_demo(out_dir: Path | None = None, *, keep_going: bool = False,
     out = out_dir or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     # Components append to their files: a rerun into the same folder starts from empty ones.
-    for name in (*OUTPUT_FILES, "report.html", "prefill.console.log", "decode.console.log", "router.console.log"):
+    consoles = [f"{prefix}{name}.console.log" for prefix in ("", "agent-") for name in ("prefill", "decode", "router")]
+    for name in (*OUTPUT_FILES, "report.html", *consoles):
         (out / name).unlink(missing_ok=True)
     bed = _Testbed(out, timings or DemoTimings())
     notes: list[str] = []
@@ -209,13 +251,14 @@ def run_demo(out_dir: Path | None = None, *, keep_going: bool = False,
         if leftovers:
             raise DemoError("could not stop every component: " + "; ".join(leftovers))
     summary = summarize(out / "router-events.jsonl", out / "client.jsonl")
-    report_path = _write_report(out, bed.timings, notes)
+    agents = summarize_agents(out)
+    report_path = _write_report(out, bed.timings, notes, agents)
     summary.elapsed_s = round(time.perf_counter() - started, 2)
     return DemoResult(out_dir=out, summary=summary, elapsed_s=summary.elapsed_s, timings=bed.timings, notes=notes,
-                      report_path=report_path)
+                      report_path=report_path, agents=agents)
 
 
-def _write_report(out: Path, timings: DemoTimings, notes: list[str]) -> Path | None:
+def _write_report(out: Path, timings: DemoTimings, notes: list[str], agents: AgentSummary) -> Path | None:
     """The HTML report over the run's logs; a failure is a note, never a failed demo."""
     try:
         # Imported here: pandas and the report stack cost a second at import and only this step needs them.
@@ -225,7 +268,7 @@ def _write_report(out: Path, timings: DemoTimings, notes: list[str]) -> Path | N
         logs = [out / name for name in OUTPUT_FILES if name != "client-stats.json" and (out / name).exists()]
         table = load_turn_table(logs)
         return write_html_report(table, out / "report.html", decoder_ttl=timings.decode_ttl,
-                                 title="kvdiag demo report")
+                                 title="kvdiag demo report", sections=agents.html_sections())
     except Exception as exc:  # the report is a view of the logs; the logs are the demo's result
         _logger.warning("demo: HTML report failed: %s", exc)
         notes.append(f"HTML report not written: {type(exc).__name__}: {exc}")

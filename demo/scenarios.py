@@ -99,7 +99,7 @@ def produced_by(timings: DemoTimings) -> dict[Verdict, str]:
         Verdict.EXPIRED_REMOTE_READ: f"gap {timings.expired_read_gap:g} s > D TTL-5 = {margin:g} s",
         Verdict.TRANSFER_FAILED: "P: NIXL handshake fails",
         Verdict.FEATURE_DISABLED_ON_PREFILL: "P: bidirectional off",
-        Verdict.PREFIX_MISMATCH: "client strips old replies",
+        Verdict.PREFIX_MISMATCH: "client edits its history",
         Verdict.CONCURRENT_TURN: "duplicate while in flight",
         Verdict.REQUEST_FAILED: "D: HTTP 500",
     }

@@ -94,14 +94,18 @@ def _read(path: Path, stats: ReadStats) -> list[TurnEvent]:
 
 
 def summarize(router_events: Path, client_log: Path) -> DemoSummary:
-    """Count outcomes from the router's events and TTFT from the client log (corrupt lines skipped)."""
+    """Count outcomes from the router's events and TTFT from the client log (corrupt lines skipped).
+
+    TTFT by turn covers the requests this router served (the client log also holds the agent testbed's).
+    """
     stats = ReadStats()
     router = [e for e in _read(router_events, stats) if e.event == "router_turn"]
     client = [e for e in _read(client_log, stats) if e.event == "client_turn"]
     summary = DemoSummary(skipped_lines=stats.skipped, router_turns=len(router), client_requests=len(client))
     summary.outcomes.update(e.outcome or "none" for e in router)
     summary.client_status.update(e.status or "unknown" for e in client)
-    summary.ttft_p50_by_turn = ttft_p50_by_turn(client)
+    routed = {e.request_id for e in router if e.request_id}
+    summary.ttft_p50_by_turn = ttft_p50_by_turn(e for e in client if e.request_id in routed)
     # Join on the request id the client saw (the router echoes X-Request-Id) for TTFT per verdict.
     outcome_by_request = {e.request_id: e.outcome for e in router if e.request_id and e.outcome}
     by_outcome: dict[str, list[float]] = {}

@@ -77,8 +77,9 @@ def _advice_html(advice: Advice) -> str:
     return "".join(parts)
 
 
-def render_report_html(report: Report, advice: Advice | None = None, title: str = "kvdiag report") -> str:
-    """The report as one self-contained HTML document."""
+def render_report_html(report: Report, advice: Advice | None = None, title: str = "kvdiag report",
+                       sections: Sequence[str] = ()) -> str:
+    """The report as one self-contained HTML document; ``sections`` (markup) follow the summary line."""
     df = report.table
     seen = [v.value for v in Verdict if (df["verdict"] == v.value).any()]
     g = report.gaps
@@ -88,6 +89,7 @@ def render_report_html(report: Report, advice: Advice | None = None, title: str 
         meta += f" · later turns after the decode TTL: {g.share_over_ttl:.1%}"
     body = [
         f'<h1>{svg.esc(title)}</h1><p class="meta" id="summary" data-turns="{len(df)}">{svg.esc(meta)}</p>',
+        *sections,
         "<h2>Outcome mix by turn index</h2>", svg.legend(seen),
         svg.stacked_share_bars("mix-turn-chart", TURN_BUCKETS, _mix_counts(report.by_turn), seen, "turn"),
         "<h2>Outcome mix by prompt length (tokens)</h2>",
@@ -114,16 +116,17 @@ def render_report_html(report: Report, advice: Advice | None = None, title: str 
 
 def write_html_report(conversations: Sequence[ConversationRecord] | pd.DataFrame, path: str | Path, *,
                       decoder_ttl: float | None = None, advice: Advice | None = None,
-                      title: str = "kvdiag report") -> Path:
+                      title: str = "kvdiag report", sections: Sequence[str] = ()) -> Path:
     """Build the report from conversations (or a turn table) and write it as HTML; return the path.
 
     ``decoder_ttl`` draws the TTL line; ``advice`` (from :func:`kvdiag.diagnostics.advise.advise`) adds the
-    recommended TTLs to the gap plot and the advice section. The demo calls this at the end of its run.
+    recommended TTLs to the gap plot and the advice section; ``sections`` (self-contained markup)
+    come right after the summary line. The demo calls this at the end of its run.
     """
     df = conversations if isinstance(conversations, pd.DataFrame) else build_turn_table(conversations)
     if decoder_ttl is None and advice is not None:
         decoder_ttl = advice.ttl.current_s
     report = build_report(df, decoder_ttl)
     out = Path(path)
-    out.write_text(render_report_html(report, advice, title), encoding="utf-8")
+    out.write_text(render_report_html(report, advice, title, sections), encoding="utf-8")
     return out

@@ -8,7 +8,8 @@ profile's ``tools``. The reply goes back into the history as an agent framework 
 assistant message with the content (null when the reply was only tool calls) and the tool calls
 as structured ``tool_calls`` (id, name, the arguments string as received); the reasoning is not
 sent back, unless ``send_reasoning`` (then as ``reasoning_content``). ``hide_reasoning`` asks
-for ``include_reasoning: false``. Every request becomes one ``client_turn`` event.
+for ``include_reasoning: false``, ``thinking=False`` for Qwen3's non-thinking mode. Every
+request becomes one ``client_turn`` event.
 
 Usage::
 
@@ -60,6 +61,7 @@ class AgentOptions:
 
     send_reasoning: bool = False  # the reasoning goes back as reasoning_content
     hide_reasoning: bool = False  # include_reasoning: false
+    thinking: bool = True         # False: chat_template_kwargs {"enable_thinking": false} (Qwen3's non-thinking mode)
 
 
 @dataclass
@@ -232,6 +234,8 @@ class AgentRunner:
             body["tool_choice"] = "auto"
         if self.options.hide_reasoning:
             body["include_reasoning"] = False
+        if not self.options.thinking:
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         if conv.plan.send_id and self.config.send_conversation_id:
             body["conversation_id"] = conv.conversation_id
         return body
@@ -247,6 +251,8 @@ class AgentRunner:
             attrs["reasoning_sent_back"] = True
         if self.options.hide_reasoning:
             attrs["include_reasoning"] = False
+        if not self.options.thinking:
+            attrs["enable_thinking"] = False
         if not (conv.plan.send_id and self.config.send_conversation_id):
             attrs["conversation_id_sent"] = False
         if res.error:
