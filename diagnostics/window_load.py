@@ -26,7 +26,6 @@ from kvdiag.diagnostics.windows import (
     Ledger,
     ProxyRange,
     build_ledger,
-    not_periodic,
     vllm_wall_clock,
 )
 
@@ -87,14 +86,14 @@ def ledger_for_index(index: LogIndex) -> Ledger | None:
     extra = LogIndex(events=index.events, proxy=index.proxy, file_roles=index.file_roles, formats=index.formats,
                      vllm=list(index.vllm))
     stats = LineStats()
+    sent = [t for t in (wall_clock(r.ts) for r in index.proxy if r.kind == "sending") if t is not None]
+    if not sent or not all(_periodic(_probe(path, sorted(sent)[len(sent) // 2])) for path in _engine_files(index)):
+        return None  # stat lines several a second mark no windows (docs/verdicts.md)
     for path in _engine_files(index):
         try:
             lines = list(grep_lines(path, STAT_KEYWORDS))
         except LogReadError:
             return None
-        if not _periodic(ln for _, ln in lines):
-            return not_periodic(index, "P's stat lines are not periodic (several a second for one engine), so "
-                                       "they mark no stats windows")
         extra.vllm.extend(r for r in parse_vllm_numbered(lines, path, stats)
                           if r.kind in ("engine_stats", "kv_metrics", "transfer_plan", "engine_config"))
     log_range = proxy_range(p for p, fmt in index.formats.items() if fmt == "proxy")
@@ -204,8 +203,7 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
     # Stat lines several a second mark no windows: a look at the minute around the first read (a few
     # reads of P's log at bisected offsets) spares reading the rest.
     if not all(_periodic(_probe(path, center)) for path in _engine_files(index)):
-        return not_periodic(index, "P's stat lines are not periodic (several a second for one engine), so they "
-                                   "mark no stats windows")
+        return None
     p_lines: dict[str, dict[int, bytes]] = {}
     for path in _engine_files(index):
         p_lines[path] = dict(ln for ln in grep_ere(path, vllm_ere) if _SPAN_KEEP.search(ln[1]))

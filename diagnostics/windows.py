@@ -485,12 +485,6 @@ def _clock_offset(anchors: list[tuple[Offer, VllmRecord]], ref: float) -> tuple[
     return 0.0, "P's clock and the proxy's disagree (P's lines naming requests fall outside the proxy's times for them)"
 
 
-def not_periodic(index: LogIndex, why: str) -> Ledger:
-    """A ledger that decides nothing, saying why (its offers are the proxy lines in ``index``)."""
-    offers, _ = _offers(index)
-    return Ledger(list(offers.values()), [], None, 0.0, why, False, None)
-
-
 @dataclass(frozen=True)
 class ProxyRange:
     """The time the proxy log files given cover (their first and last lines), proxy clock."""
