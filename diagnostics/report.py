@@ -27,7 +27,9 @@ from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 
 # Bump when the table's columns (or how a path fills them) change: it is part of the Parquet cache key.
 # 2: the DuckDB path's reasons, confidence, statuses and unknown gaps now equal the parser's.
-TABLE_VERSION: Final = 2
+# 3: stock INFO turns decided by P's stats windows; TTFT and tokens client first; answered turns after a
+#    failed P attempt.
+TABLE_VERSION: Final = 3
 
 TABLE_COLUMNS: Final = (
     "conversation_id", "turn", "turn_bucket", "prompt_tokens", "prompt_bucket", "verdict", "reused",
