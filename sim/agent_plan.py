@@ -263,10 +263,15 @@ _EDIT_STEPS: Final = (Step.REGENERATE, Step.EDIT_LAST_USER, Step.EDIT_REPLY, Ste
 
 def _edits(d: _Draw, spec: AgentSpec, cid: str) -> AgentPlan:
     n = d.turns(8, 14)
+    # Every kind of edit once (where the turns allow), at seeded turns after the second; a few more at random.
+    later = list(range(3, n + 1))
+    kinds = list(_EDIT_STEPS)
+    d.rng.shuffle(kinds)
+    at = dict(zip(sorted(d.rng.sample(later, min(len(kinds), len(later)))), kinds, strict=False))
     turns = [AgentTurn(Step.TASK, (d.size(60, 300),), Reply(content_tokens=d.size(40, 200)))]
     for number in range(2, n + 1):
-        step = Step.USER
-        if number > 2 and d.rng.random() < 0.5:
+        step = at.get(number, Step.USER)
+        if step is Step.USER and number > 2 and d.rng.random() < 0.2:
             step = _EDIT_STEPS[d.rng.randrange(len(_EDIT_STEPS))]
         turns.append(AgentTurn(step, (d.size(60, 300),), Reply(content_tokens=d.size(40, 200)), d.gap(tool=False)))
     return AgentPlan(cid, spec.profile, tuple(turns), d.size(100, 300), tools=False)
