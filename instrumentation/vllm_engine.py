@@ -175,6 +175,9 @@ class Engine:
         self.name = name
         self.writer_tag = writer_tag
         self.engine_id = engine_id or f"{name}-{uuid.uuid4()}"
+        # The stand-ins touch one block (~100 KB) at a time: an intra-op thread pool only adds a
+        # rendezvous per op, which on a busy machine waits for a core (tens of ms per copy).
+        torch.set_num_threads(1)
         self.side_channel_port = side_channel_port or free_port()
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"

@@ -250,6 +250,7 @@ class Bed:
                 raise TimeoutError(f"did not converge in {timeout_s} s")
             for eng in engines or self.engines:
                 eng.step()
+            time.sleep(0.0005)   # yield the core to NIXL's progress thread and the other engines' work
 
     def pump(self, steps: int, engines: list[Engine] | None = None) -> None:
         for _ in range(steps):
