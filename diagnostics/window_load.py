@@ -110,6 +110,11 @@ def _spans(times: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
+def _ere(literal: str) -> str:
+    """A literal for a POSIX extended regex that Python's ``re`` reads the same way."""
+    return re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", literal)
+
+
 def _prefixes(spans: list[tuple[float, float]], fmt: str) -> list[str]:
     """Timestamp prefixes at ten-second resolution covering the spans (``fmt``: a strftime format)."""
     out: dict[str, None] = {}
@@ -121,7 +126,9 @@ def _prefixes(spans: list[tuple[float, float]], fmt: str) -> list[str]:
     return list(out)
 
 
-_ENGINE_TICK: Final = re.compile(rb" (?:INFO|DEBUG) +(\d\d-\d\d \d\d:\d\d:\d\d) \[[^\]]*\] Engine (\d+): Avg prompt")
+_A: Final = rb"(?:\x1b\[[0-9;]*m)*"  # vLLM's colours when its output was a terminal
+_ENGINE_TICK: Final = re.compile(rb" " + _A + rb"(?:INFO|DEBUG)" + _A + rb" +" + _A + rb"(\d\d-\d\d \d\d:\d\d:\d\d)"
+                                 + _A + rb" " + _A + rb"\[[^\]]*\]" + _A + rb" Engine (\d+): Avg prompt")
 
 
 def _periodic(lines: Iterable[bytes]) -> bool:
@@ -138,7 +145,8 @@ def _periodic(lines: Iterable[bytes]) -> bool:
     return True
 
 
-_STAMP: Final = re.compile(rb" (?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +(\d\d-\d\d \d\d:\d\d:\d\d) \[")
+_STAMP: Final = re.compile(rb" " + _A + rb"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)" + _A + rb" +" + _A
+                           + rb"(\d\d-\d\d \d\d:\d\d:\d\d)" + _A + rb" " + _A + rb"\[")
 PROBE_RADIUS_S: Final = 30.0
 PROBE_BYTES: Final = 8 * 1024 * 1024
 
@@ -193,9 +201,10 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
     if not starts:
         return None
     spans = _spans((starts[r], max(ends[r], starts[r]) + (0 if ends[r] > starts[r] else OPEN_READ_S)) for r in starts)
-    proxy_ere = "^(" + "|".join(re.escape(p) for p in _prefixes(spans, "%Y-%m-%d %H:%M:%S")) + ")"
-    vllm_ere = " (DEBUG|INFO|WARNING|ERROR|CRITICAL) +(" + "|".join(
-        re.escape(p) for p in _prefixes(spans, "%m-%d %H:%M:%S")) + ")"
+    proxy_ere = "^(" + "|".join(_ere(p) for p in _prefixes(spans, "%Y-%m-%d %H:%M:%S")) + ")"
+    ansi = "(\x1b\\[[0-9;]*m)*"
+    vllm_ere = f" {ansi}(DEBUG|INFO|WARNING|ERROR|CRITICAL){ansi} +{ansi}(" + "|".join(
+        _ere(p) for p in _prefixes(spans, "%m-%d %H:%M:%S")) + ")"
     seen = {(r.path, r.lineno) for r in index.proxy}
     extra = LogIndex(events=index.events, file_roles=index.file_roles, formats=index.formats)
     stats = LineStats()

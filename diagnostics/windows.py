@@ -40,6 +40,7 @@ CLOCK_SLACK_S: Final = 1.0  # the proxy's and P's clocks may differ by this much
 MAX_BLOCK: Final = 6  # windows combined when looking for a run whose counts account for every read
 OPEN_READ_S: Final = 600.0  # a read with no later line of its request could end this late
 LEAD_S: Final = 60.0  # reads sent before the proxy log starts may still land in its first minute
+PROBLEM_RADIUS_S: Final = 120.0  # a window no offered read explains stops decisions this close to it
 _NO_READ_KINDS: Final = frozenset({"declining_expired", "nixl_failure", "kv_load_failed", "skip_remote_pull",
                                    "skip_post_processing"})
 _READ_KINDS: Final = frozenset({"read_blocks", "finished_recving"})
@@ -111,8 +112,13 @@ class _Stream:
     group: str
     lines: list[tuple[float, VllmRecord, VllmRecord | None]] = field(default_factory=list)
     windows: list[StatWindow] = field(default_factory=list)
-    runs: list[tuple[float, float]] = field(default_factory=list)  # spans its windows surely cover
+    runs: list[tuple[float, float]] = field(default_factory=list)  # spans its windows surely cover, in order
     usable: bool = True
+
+    def covers(self, lo: float, hi: float) -> bool:
+        """True when one run of consecutive windows surely covers [lo, hi]."""
+        i = bisect.bisect_right(self.runs, (lo, float("inf"))) - 1
+        return i >= 0 and self.runs[i][0] <= lo and hi <= self.runs[i][1]
 
 
 class Ledger:
@@ -137,8 +143,13 @@ class Ledger:
         self._his = sorted(self._span(o)[1] for o in open_offers)
         self._longest = max((o.hi - o.lo + 2 * CLOCK_SLACK_S for o in open_offers), default=0.0)
         self._tight: dict[str, tuple[StatWindow, ...]] = {}
+        self._problems: list[tuple[float, float, str]] = []  # windows whose counts no offered read explains
+        self._his_w = [w.hi for w in self.windows]
+        self._longest_w = max((w.hi - w.lo for w in self.windows), default=0.0)
         if problem is None:
             self._find_tight_runs()
+        self._problems.sort(key=lambda p: p[1])
+        self._problem_his = [p[1] for p in self._problems]
 
     def _span(self, offer: Offer) -> tuple[float, float]:
         """When the read could complete, on P's clock, widened by the clocks' slack."""
@@ -162,20 +173,32 @@ class Ledger:
                 c, lo, hi = c + w.successes, min(lo, w.lo), max(hi, w.hi)
                 n = self._count(lo, hi)
                 if k is not None and c > k * n:
-                    self.problem = (f"P's stats window ending {w.line.ts} counts more successful transfers ({c}) "
-                                    f"than the {n} read(s) the proxy log offered in it allow: another router feeds "
-                                    "P, part of the proxy log is missing, or P's clock differs from the proxy's")
-                    self._tight.clear()
-                    return
+                    self._problems.append((lo, hi, (
+                        f"P's stats window ending {w.line.ts} counts more successful transfers ({c}) than the {n} "
+                        "read(s) the proxy log offered in it allow: another router feeds P, part of the proxy log "
+                        "is missing, or P's clock differs from the proxy's")))
+                    break
                 if k is not None and n and c == k * n:
                     run = tuple(wins[i:j + 1])
                     for o in self._intersecting(lo, hi):
                         if o.rid not in self._tight or len(self._tight[o.rid]) > len(run):
                             self._tight[o.rid] = run
 
+    def _windows_in(self, lo: float, hi: float) -> list[StatWindow]:
+        """The windows (every P engine) overlapping (lo, hi)."""
+        start = bisect.bisect_right(self._his_w, lo)
+        end = bisect.bisect_left(self._his_w, hi + self._longest_w)
+        return [w for w in self.windows[start:end] if w.lo < hi and w.hi > lo]
+
     def _candidates(self, offer: Offer) -> list[StatWindow]:
         lo, hi = self._span(offer)
-        return [w for w in self.windows if w.lo < hi and w.hi > lo]
+        return self._windows_in(lo, hi)
+
+    def _problem_near(self, offer: Offer) -> str | None:
+        """A window near this read whose count no offered read explains: then nothing near it is decided."""
+        lo, hi = self._span(offer)
+        i = bisect.bisect_left(self._problem_his, lo - PROBLEM_RADIUS_S)
+        return next((why for p_lo, _, why in self._problems[i:] if p_lo <= hi + PROBLEM_RADIUS_S), None)
 
     def _surely_none(self, offer: Offer) -> bool:
         """No P engine can have counted a successful read for this offer.
@@ -186,11 +209,9 @@ class Ledger:
         if not self.all_prefills or not self.streams:
             return False
         lo, hi = self._span(offer)
-        total = 0
-        for stream in self.streams:
-            if not stream.usable or not any(a <= lo and hi <= b for a, b in stream.runs):
-                return False
-            total += sum(w.successes for w in stream.windows if w.lo < hi and w.hi > lo)
+        if not all(st.usable and st.covers(lo, hi) for st in self.streams):
+            return False
+        total = sum(w.successes for w in self._windows_in(lo, hi))
         if not total:
             return True
         if self.per_read is None:
@@ -212,8 +233,9 @@ class Ledger:
         offer = self.offers.get(rid)
         if offer is None:
             return None
-        if self.problem is not None:
-            return WindowFinding(None, tuple(self._candidates(offer)), (), self.problem, self.prefix_caching)
+        problem = self.problem or self._problem_near(offer)
+        if problem is not None:
+            return WindowFinding(None, tuple(self._candidates(offer)), (), problem, self.prefix_caching)
         run = self._tight.get(rid)
         if run is not None:
             lo, hi = min(w.lo for w in run), max(w.hi for w in run)

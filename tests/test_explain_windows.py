@@ -295,3 +295,21 @@ def test_the_probe_bisects_a_large_log_to_the_minute_around_a_read(tmp_path: Pat
     dense = tmp_path / "dense.log"
     dense.write_text("".join(ln for ln in lines for _ in range(3 if "Engine 000" in ln else 1)))
     assert not _periodic(_probe(str(dense), center))
+
+
+def test_coloured_vllm_logs_give_the_same_windows(tmp_path: Path) -> None:
+    # vLLM colours its lines when its output is a terminal (a `script` or `tee` capture keeps them)
+    def colour(text: str) -> str:
+        def one(m: re.Match[str]) -> str:
+            return (f"\x1b[0;36m{m.group(1)}\x1b[0;0m \x1b[32m{m.group(2)}\x1b[0m \x1b[90m{m.group(3)}\x1b[0m "
+                    f"\x1b[90m[{m.group(4)}]\x1b[0m ")
+        return re.sub(r"^(\(\w+ pid=\d+\)) (INFO|WARNING|ERROR|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d) \[([^\]]+)\] ", one,
+                      text, flags=re.M)
+    run = _copy(tmp_path, prefill_log=colour)
+    assert "\x1b[32mINFO" in (run / "prefill.log").read_text()
+    plain = {k: v[0] for k, v in _verdicts(load_turns([str(RUN)])).items()}
+    assert {k: v[0] for k, v in _verdicts(load_turns([str(run)])).items()} == plain
+    for conv_id in ("agent-b", "agent-i", "agent-j"):
+        one = explain_conversation([str(run)], conv_id)
+        assert [(conv_id, t.turn, t.verdict.value) for t in one.turns] == [
+            (conv_id, t, plain[(conv_id, t)]) for t in range(1, len(one.turns) + 1)]
