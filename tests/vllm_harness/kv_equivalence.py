@@ -38,11 +38,12 @@ from typing import Any
 
 _AFFINITY = os.sched_getaffinity(0)
 
+from kvdiag.router.reuse_rule import DEFAULT_MARGIN, trim_handle  # noqa: E402
 from vllm_harness.engine import BLOCK_SIZE, PAGE_BYTES, PLAIN_CONNECTOR, Engine, write_model_dir  # noqa: E402
 
 LAYERS = 2
 BLOCK_BYTES = LAYERS * PAGE_BYTES
-MARGIN = 8          # the router's generation-prompt margin (--template-margin-tokens default)
+MARGIN = DEFAULT_MARGIN  # the router's generation-prompt margin (--template-margin-tokens default)
 
 # --- a Qwen3-like chat template over token ids ------------------------------------------------
 _NAMES = ("im_start", "im_end", "system", "user", "assistant", "think", "end_think", "tool_call", "end_tool_call",
@@ -174,10 +175,11 @@ def variants(s: Scenario) -> list[Variant]:
 
 
 def trimmed(params: dict[str, Any], tokens: int) -> dict[str, Any]:
-    """D's handle cut as kvdiag's router cuts it: T tokens (whole blocks), every group to its first T/block ids."""
-    handle = dict(params)
-    handle["remote_num_tokens"] = tokens
-    handle["remote_block_ids"] = [list(group)[:tokens // BLOCK_SIZE] for group in params["remote_block_ids"]]
+    """D's handle cut by the router's own function: T tokens, every block group and D's digest with it."""
+    # The router sees D's params as JSON (block groups are lists there, tuples in-process).
+    handle = trim_handle(json.loads(json.dumps(params)), tokens, BLOCK_SIZE)
+    if handle is None:
+        raise AssertionError(f"the router refuses to cut D's handle to {tokens} tokens: {params!r}")
     return handle
 
 
