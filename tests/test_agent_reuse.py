@@ -113,6 +113,16 @@ async def test_reasoning_sent_back_is_safe_and_verify_tokens_reuses_it(case: Any
     assert full.wrong > 0
 
 
+@pytest.mark.parametrize("profile", ["edits", "compaction"])
+async def test_verify_tokens_reuses_what_message_granularity_misses(profile: str, tmp_path: Path) -> None:
+    # The text rule falls back to whole turn boundaries after an edit or a compaction; the token-exact
+    # check proves the common prefix inside the edited message (or the system prompt) as well.
+    case = bench.Case(profile)
+    text, verify = await _run(case, "text", tmp_path), await _run(case, "verify", tmp_path)
+    _safe(verify)
+    assert verify.share >= 0.99 and verify.reused > text.reused
+
+
 async def test_non_streaming_clients_alike(tmp_path: Path) -> None:
     case = bench.Case("parallel-tools", "no_thinking")
     agent = AgentSpec(profile=case.profile, conversations=1, seed=3, scale=SCALE, prefix="t")
