@@ -143,9 +143,10 @@ class AgentSummary:
                       f"{self.engine_wrong_kv_tokens}[/{style}]")
         if not self.article:
             return
-        art = Table(title=f"The article's effect: modelled TTFT ({AGENT_PROFILE}), slept x{AGENT_TIME_SCALE:g}",
+        art = Table(title=f"The article's effect: TTFT by prompt length ({AGENT_PROFILE} time model)",
                     title_justify="left")
-        for name in ("prompt tokens", "recomputed ms", "reused ms", "speedup", "measured / scale"):
+        measured_label = "measured ms" if AGENT_TIME_SCALE == 1.0 else f"measured / {AGENT_TIME_SCALE:g}"
+        for name in ("prompt tokens", "recomputed ms", "reused ms", "speedup", measured_label):
             art.add_column(name, justify="right")
         for t in self.article:
             measured = (f"{t.recomputed_measured_ms:.0f} / {t.reused_measured_ms:.0f}"
@@ -187,7 +188,8 @@ class AgentSummary:
                       "caching off)</h2>",
                       "<p>Modelled TTFT of each turn (P's leg plus D's first token, from the token counts the "
                       f"engines reported; the engines slept x{AGENT_TIME_SCALE:g} of it), the same long agent "
-                      "conversation with D's KV reused and recomputed.</p>",
+                      "conversation with D's KV reused and recomputed; the client-side TTFT (divided by the "
+                      "time scale) beside it.</p>",
                       svg.legend_pairs([("reused", _REUSED_COLOR), ("recomputed", _RECOMPUTED_COLOR)]),
                       svg.grouped_bars("article-chart", cats, (("reused", _REUSED_COLOR),
                                                                ("recomputed", _RECOMPUTED_COLOR)),
