@@ -149,7 +149,7 @@ class AgentSummary:
         for name in ("prompt tokens", "recomputed ms", "reused ms", "speedup", measured_label):
             art.add_column(name, justify="right")
         for t in self.article:
-            measured = (f"{t.recomputed_measured_ms:.0f} / {t.reused_measured_ms:.0f}"
+            measured = (f"{t.recomputed_measured_ms:.0f} -> {t.reused_measured_ms:.0f}"
                         if t.reused_measured_ms is not None and t.recomputed_measured_ms is not None else "–")
             art.add_row(f"{t.prompt_tokens:,}", f"{t.recomputed_model_ms:.1f}", f"{t.reused_model_ms:.1f}",
                         f"{t.speedup:.2f}x", measured)
