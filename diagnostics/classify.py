@@ -26,6 +26,9 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_DECODE_TTL_S = 480
 TOKEN_MARGIN = 16  # the benchmark counts message content only; a re-tokenized reply may differ a little
 FAILED_STATUSES = ("error", "aborted", "disconnected", "timeout", "hung")
+# TurnRecord fields the client states first (its events, then its statistics), as (record, event) names.
+_CLIENT_FIRST = (("ttft_ms", "ttft_ms"), ("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens"),
+                 ("latency_ms", "duration_ms"))
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
 _EVENT_NUMBERS = ("ttft_ms", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
                   "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s", "model",
@@ -143,16 +146,16 @@ class _Turn:
         # its events, then its statistics, then the router and P. So the id setting, which decides
         # whether router events join, never switches the source of a turn's TTFT or prompt bucket.
         s = f.client_stat
-        client = [e.event for e in f.client_events]
-        for name, stat_value in (("ttft_ms", s.ttft_ms if s else None),
-                                 ("prompt_tokens", s.input_num_tokens if s else None),
-                                 ("completion_tokens", s.output_num_tokens if s else None),
-                                 ("latency_ms", s.latency_ms if s else None)):
-            event_name = "duration_ms" if name == "latency_ms" else name
-            value = next((v for v in (e.__dict__[event_name] for e in client) if v is not None), None)
-            value = value if value is not None else stat_value
-            if value is not None:
-                mine[name] = value
+        if s is not None:
+            for name, value in (("ttft_ms", s.ttft_ms), ("prompt_tokens", s.input_num_tokens),
+                                ("completion_tokens", s.output_num_tokens), ("latency_ms", s.latency_ms)):
+                if value is not None:
+                    mine[name] = value
+        for cev in reversed(f.client_events):  # the first client event stating a field wins
+            state = cev.event.__dict__
+            for name, event_name in _CLIENT_FIRST:
+                if state[event_name] is not None:
+                    mine[name] = state[event_name]
         # vLLM's benchmark takes start_time_ms from time.perf_counter_ns() (time since boot): only an epoch
         # value is a date. Else the proxy's arrival line dates the turn; the benchmark's own clock still
         # orders the turns and measures the gaps between them.
