@@ -549,6 +549,9 @@ def _handle_offered(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _
     tail = ("; the proxy stored no handle after it, so the turn may have failed downstream (vLLM logs request "
             "failures only with --enable-log-requests)" if facts.proxy.stored is None else "")
     found = ctx.windows.finding(facts.proxy.rid) if ctx.windows is not None else None
+    if found is not None and found.rejected is not None:
+        return b.set(Verdict.UNKNOWN, INFERRED, f"the proxy offered D's handle and {found.why}{tail}", sent,
+                     found.rejected)
     windows = f"; {found.why}" if found is not None else ""
     return b.set(Verdict.UNKNOWN, INFERRED, "the proxy offered D's handle and P logged no failure: remote_hit, "
                  f"local_hit or below_threshold{windows}. Stock vLLM logs nothing per request for these at INFO — "
@@ -565,7 +568,7 @@ def _by_windows(facts: TurnFacts, prev: TurnFacts | None, ctx: Context, b: _Turn
         ctx.window_wanted.add(rid)  # explain reads the stats windows and classifies again
         return None
     found = ctx.windows.finding(rid)
-    if found is None:
+    if found is None or found.rejected is not None:
         return None
     lines = [w.evidence for w in found.windows[:3]]
     if found.read:

@@ -93,6 +93,7 @@ class Offer:
     hi: float
     sent: ProxyRecord
     counted: bool | None = None  # True: a read P counted; False: known to make no successful transfer
+    rejected: VllmRecord | None = None  # P's "Got invalid KVTransferParams" line for this handle
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class WindowFinding:
     peers: tuple[Offer, ...]
     why: str
     prefix_caching: bool | None
+    rejected: VllmRecord | None = None  # P refused the params themselves: no rule applies
 
 
 @dataclass
@@ -233,6 +235,10 @@ class Ledger:
         offer = self.offers.get(rid)
         if offer is None:
             return None
+        if offer.rejected is not None:
+            return WindowFinding(None, (), (), "P rejected the handle as invalid ('Got invalid KVTransferParams'), "
+                                 "so it read nothing for a reason no threshold or cache explains",
+                                 self.prefix_caching, rejected=offer.rejected)
         problem = self.problem or self._problem_near(offer)
         if problem is not None:
             return WindowFinding(None, tuple(self._candidates(offer)), (), problem, self.prefix_caching)
@@ -310,7 +316,7 @@ def _p_status(index: LogIndex, p_paths: set[str], offers: dict[str, Offer]) -> l
         if rec.kind == "invalid_params":
             offer = by_remote.get(rec.fields.get("remote_request_id"))
             if offer is not None:
-                offer.counted = False
+                offer.counted, offer.rejected = False, rec
             continue
         for rid in record_rids(rec):
             offer = offers.get(header_request_id(rid))

@@ -313,3 +313,22 @@ def test_coloured_vllm_logs_give_the_same_windows(tmp_path: Path) -> None:
         one = explain_conversation([str(run)], conv_id)
         assert [(conv_id, t.turn, t.verdict.value) for t in one.turns] == [
             (conv_id, t, plain[(conv_id, t)]) for t in range(1, len(one.turns) + 1)]
+
+
+def test_a_handle_p_rejected_is_no_threshold_skip(tmp_path: Path) -> None:
+    # Negative control for below_threshold: P logged that it could not use the params at all
+    # (pull_scheduler's WARNING names the handle, not the request): nothing was read, but no threshold
+    # or cache explains it.
+    truth = json.loads((FIXTURES / "real_vllm_info.truth.json").read_text())
+    i1 = next(t["request_id"] for t in truth if (t["conversation_id"], t["turn"]) == ("agent-i", 1))
+    d_id = re.search(rf"remote_request_id=(chatcmpl-{i1}-\w+)", (RUN / "proxy.log").read_text())
+    assert d_id is not None
+    warning = ("(EngineCore_DP0 pid=31807) WARNING 11-29 10:02:32 [pull_scheduler.py:179] Got invalid "
+               f"KVTransferParams: {{'do_remote_prefill': False, 'do_remote_decode': True, 'remote_block_ids': "
+               f"[[1, 2]], 'remote_request_id': '{d_id.group(1)}', 'remote_host': '10.0.0.2'}}. This request will "
+               "not utilize KVTransfer\n")
+    run = _copy(tmp_path, prefill_log=lambda t: t + warning)
+    got = _verdicts(load_turns([str(run)]))
+    assert got[("agent-i", 2)][0] == "unknown" and "Got invalid KVTransferParams" in got[("agent-i", 2)][2]
+    one = explain_conversation([str(run)], "agent-i").turns[1]
+    assert one.verdict.value == "unknown"
