@@ -130,3 +130,15 @@ def test_every_classified_line_passes_the_all_prefilter() -> None:
     assert len(kinds) > 15
     for lineno in kinds:
         assert any(k in raw[lineno - 1] for k in VLLM_KEYWORDS), raw[lineno - 1]
+
+
+def test_api_server_internal_error_line() -> None:
+    # vLLM 0.33's API server when a request finished with an error (it answers HTTP 500), e.g. P's
+    # request failed on a KV load failure: entrypoints/generate/base/serving.py
+    from kvdiag.diagnostics.explain import VLLM_KEYWORDS
+
+    line = (b"(APIServer pid=31790) ERROR 11-29 10:01:12 [serving.py:203] Request "
+            b"chatcmpl-4f1da133-0009-4009-a009-1e2f3a4bb5e6 failed with an internal error during generation\n")
+    rec = next(parse_vllm_log([line], "prefill.log"))
+    assert rec.kind == "request_failed" and rec.fields["request_id"] == "chatcmpl-4f1da133-0009-4009-a009-1e2f3a4bb5e6"
+    assert "HTTP 500" in rec.fields["why"] and any(k in line for k in VLLM_KEYWORDS)
