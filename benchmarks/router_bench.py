@@ -153,9 +153,9 @@ async def _serve_stub(ready: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- processes
-def _spawn(args: list[str], ready: Path, log: Path) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], ready: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     fh = log.open("wb")
-    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 30
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -165,7 +165,8 @@ def _spawn(args: list[str], ready: Path, log: Path) -> subprocess.Popen[bytes]:
 
 
 @contextlib.contextmanager
-def processes(tmp: Path, backend: str, router_flags: list[str]) -> Iterator[dict[str, Any]]:
+def processes(tmp: Path, backend: str, router_flags: list[str],
+              router_path: str | None = None) -> Iterator[dict[str, Any]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         info: dict[str, Any] = {}
@@ -187,7 +188,8 @@ def processes(tmp: Path, backend: str, router_flags: list[str]) -> Iterator[dict
         router = _spawn([KVDIAG, "router", "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
                          "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(info["prefill"]["port"]),
                          "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(info["decode"]["port"]),
-                         "--events-file", str(tmp / "router-events.jsonl"), *router_flags], ready, tmp / "router.out")
+                         "--events-file", str(tmp / "router-events.jsonl"), *router_flags], ready, tmp / "router.out",
+                        env={**os.environ, "PYTHONPATH": router_path} if router_path else None)
         procs.append(router)
         info["router"] = json.loads(ready.read_text())
         info["router_pid"] = router.pid
@@ -582,6 +584,8 @@ def main() -> None:
                         help="sim: the emulated engines (zero delay); stub: canned P/D to isolate the router")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--verify-tokens", action="store_true", help="run the router with --verify-tokens")
+    parser.add_argument("--router-pythonpath", default=None,
+                        help="A/B runs: a directory holding another checkout as 'kvdiag', for the router only")
     parser.add_argument("--micro", action="store_true",
                         help="only the in-process costs of recording replies and deciding reuse (no processes)")
     parser.add_argument("--streams", default=",".join(STREAM_KINDS),
@@ -609,7 +613,7 @@ def main() -> None:
     for backend in backends:
         flags = ["--verify-tokens"] if args.verify_tokens else []
         with tempfile.TemporaryDirectory(prefix="kvdiag-router-bench-") as tmp, \
-                processes(Path(tmp), backend, flags) as info:
+                processes(Path(tmp), backend, flags, args.router_pythonpath) as info:
             results += runner(bench(args, info, backend))
     cpu = [r["router_cpu_ms_per_turn"] for r in results if r.get("router_cpu_ms_per_turn")]
     meta = {"streams": kinds, "verify_tokens": args.verify_tokens, "cpus": os.cpu_count(),

@@ -29,7 +29,8 @@ _LIT: Final = rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # a JSON string (unrolled: fast 
 # tool call, a refusal, several fields) leaves the content groups empty and sends the stream to the
 # frame-by-frame parser.
 _DELTA: Final = re.compile(rb'"delta": ?(?:\{(?:"role": ?"assistant", ?)?"(content|reasoning|reasoning_content)": ?('
-                           + _LIT + rb')\}|\{"(tool_calls|function_call|refusal)": ?[\[\{"]|)')
+                           + _LIT + rb')\}|\{(?:"content": ?null, ?)?"(tool_calls|function_call|refusal)": ?[\[\{"]'
+                           rb'|(\{\})|)')
 _TEXT: Final = re.compile(rb'"text": ?(' + _LIT + rb")")
 _TOKEN_IDS: Final = re.compile(rb'"token_ids": ?(null|\[[\d, ]*\])')
 _PARAMS_MARKERS: Final = (b'"kv_transfer_params"', b'"finish_reason":"', b'"finish_reason": "', b'"error"')
@@ -181,11 +182,11 @@ def parse_stream(data: bytes, *, chat: bool = True, single_choice: bool = True, 
         cut = data.find(b"\n\n")
         data = data[cut + 2:] if cut >= 0 else b""
     if chat:
-        # (key, literal, part): a one-field text delta, or a delta that opens with a tool call,
-        # function call or refusal (recorded as that part; its text is never needed).
+        # (key, literal, part, empty): a one-field text delta; a delta that opens with a tool call,
+        # function call or refusal (recorded as that part; its text is never needed); an empty one.
         found = _DELTA.findall(data)
-        simple = all(key or part for key, _, part in found)
-        deltas = [(key or part, lit) for key, lit, part in found]
+        simple = all(key or part or empty for key, _, part, empty in found)
+        deltas = [(key or part, lit) for key, lit, part, empty in found if not empty]
         literals = [lit for key, lit in deltas if key == b"content"]
         count = len(deltas)
     else:

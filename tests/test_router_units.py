@@ -214,3 +214,22 @@ def test_prefill_verdict_from_report_or_inferred() -> None:
                            decoder_ttl=480)[0] is Verdict.EXPIRED_REMOTE_READ
     assert prefill_verdict(report=None, cached_tokens=None, failed=True, entry_age_s=10,
                            decoder_ttl=480)[0] is Verdict.TRANSFER_FAILED
+
+
+def test_capture_reads_vllm_tool_call_and_empty_deltas_without_json() -> None:
+    # vLLM 0.33's hermes parser sets content to null beside tool calls; a finish chunk may carry {}.
+    def frame(delta: dict[str, object], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "token_ids": None}
+        return b"data: " + json.dumps({**HEAD, "choices": [choice], "kv_transfer_params": None},
+                                      separators=(",", ":")).encode() + b"\n\n"
+    data = (frame({"role": "assistant", "content": ""}) + frame({"reasoning": "hmm"}) + frame({"content": "\n\n"})
+            + frame({"content": None, "tool_calls": [{"id": "c1", "type": "function", "index": 0,
+                                                       "function": {"name": "lookup"}}]})
+            + b"".join(frame({"content": None, "tool_calls": [{"index": 0, "function": {"arguments": a}}]})
+                       for a in ('{"q"', ': "x"}'))
+            + frame({}, "tool_calls") + b"data: [DONE]\n\n")
+    capture = SSECapture()
+    capture.feed(data)
+    observed = capture.observed
+    assert observed is not None and observed.content == "\n\n" and capture.finish_reason == "tool_calls"
+    assert observed.parts == {"reasoning", "tool_calls"} and capture.frames_parsed == 1
