@@ -70,10 +70,12 @@ def _stub_deltas(kind: str) -> list[dict[str, Any]]:
     if kind == "reasoning":
         return [{"reasoning": f" r{i}"} for i in range(MAX_TOKENS)] + [{"content": f" t{i}"} for i in range(MAX_TOKENS)]
     if kind == "tool":
-        start = {"tool_calls": [{"id": "chatcmpl-tool-0123456789abcdef", "type": "function", "index": 0,
-                                 "function": {"name": "lookup", "arguments": ""}}]}
+        # vLLM's hermes parser sets content explicitly (null) beside every tool-call delta.
+        start = {"content": None, "tool_calls": [{"id": "chatcmpl-tool-0123456789abcdef", "type": "function",
+                                                  "index": 0, "function": {"name": "lookup"}}]}
         args = ['{"q": "'] + [f"w{i} " for i in range(MAX_TOKENS - 2)] + ['"}']
-        return [start] + [{"tool_calls": [{"index": 0, "function": {"arguments": a}}]} for a in args]
+        return [start] + [{"content": None, "tool_calls": [{"index": 0, "function": {"arguments": a}}]}
+                          for a in args]
     return [{"content": f" t{i}"} for i in range(MAX_TOKENS)]
 
 
