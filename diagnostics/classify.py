@@ -266,7 +266,8 @@ def _answered(facts: TurnFacts) -> bool:
     vLLM's benchmark writes a RequestStats record only for a valid response, and the proxy stores
     D's handle only from the final chunk of a reply D finished normally.
     """
-    if facts.client_events:
+    if facts.client_events or facts.router_events:
+        # kvdiag's own events state the outcome (report's DuckDB path reads them alike)
         return any(ev.event.status == "ok" for ev in facts.client_events)
     proxy = facts.proxy
     if proxy is not None and proxy.stored is not None:
@@ -276,7 +277,7 @@ def _answered(facts: TurnFacts) -> bool:
 
 
 def _answer_proof(facts: TurnFacts) -> Located | None:
-    if facts.client_events:
+    if facts.client_events or facts.router_events:
         return next((ev for ev in facts.client_events if ev.event.status == "ok"), None)
     return facts.client_stat or (facts.proxy.stored if facts.proxy is not None else None)
 

@@ -217,3 +217,20 @@ def test_the_fixture_run_folder_is_read_whole(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["explain", "--all", "--json", "--no-progress", str(tmp_path / "run")])
     assert res.exit_code == 0 and "corrupt" not in res.stderr
     assert "bench.console.log" in res.stderr  # named as skipped
+
+
+def test_router_events_and_benchmark_records_give_one_table_in_both_report_paths(tmp_path: Path) -> None:
+    # Router events beside the benchmark's records and P's failed first attempt (the router retried P
+    # without the handle): the record is no extra proof of an answer where kvdiag's events state the
+    # outcome, so the parser's reasons equal the DuckDB path's.
+    p_id = f"chatcmpl-{RID2}-7d6c5b4a"
+    failing = (f"(EngineCore_DP0 pid=26967) ERROR 11-29 09:30:12 [scheduler.py:3764] Failing 1 request(s) due to "
+               f"KV load failure (failure_policy=fail, 139 tokens affected). Request IDs: {{'{p_id}'}}\n")
+    run = _run(tmp_path, prefill=[*_startup(REAL / "prefill.log"), failing], client_stats_json=STATS,
+               router_events_jsonl=_router_events(True))
+    files = [str(p) for p in run.iterdir()]
+    fast = fast_turn_table(files)
+    assert fast is not None
+    key = ["conversation_id", "turn"]
+    slow = build_turn_table(load_turns(files)).sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(normalize_table(fast).sort_values(key).reset_index(drop=True), slow)
