@@ -299,17 +299,32 @@ def continuation_digest(body: Mapping[str, Any], text: str) -> tuple[int, str]:
     return len(data), h.hexdigest()[:DIGEST_HEX]
 
 
+_CANONICAL: Final = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _feed_message(h: Any, message: Any) -> None:
-    # Fast path for the common {"role", "content": str} message; anything else is canonical JSON.
-    if isinstance(message, dict) and len(message) == 2 and isinstance(message.get("content"), str) \
-            and isinstance(message.get("role"), str):
-        h.update(message["role"].encode("utf-8", "surrogatepass"))
-        h.update(b"\x1f")
-        h.update(message["content"].encode("utf-8", "surrogatepass"))
+    # Messages whose fields are all strings (user, system, tool results, plain replies) are fed as
+    # length-prefixed fields: no JSON escaping of long tool outputs, and the encoding stays injective.
+    # Anything else (tool calls, content parts) is canonical JSON.
+    if isinstance(message, dict) and len(message) == 2:
+        role, content = message.get("role"), message.get("content")
+        if isinstance(role, str) and isinstance(content, str):  # the common {"role", "content"} message
+            r = role.encode("utf-8", "surrogatepass")
+            c = content.encode("utf-8", "surrogatepass")
+            h.update(b"\x1b" + len(r).to_bytes(4, "little") + r + len(c).to_bytes(8, "little"))
+            h.update(c)
+            h.update(b"\x1e")
+            return
+    if isinstance(message, dict) and all(isinstance(v, str) for v in message.values()):
+        h.update(b"\x1c")
+        for key in sorted(message):
+            k = key.encode("utf-8", "surrogatepass")
+            v = message[key].encode("utf-8", "surrogatepass")
+            h.update(len(k).to_bytes(4, "little") + k + len(v).to_bytes(8, "little"))
+            h.update(v)
     else:
         h.update(b"\x1d")
-        h.update(json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-                 .encode("utf-8", "surrogatepass"))
+        h.update(_CANONICAL.encode(message).encode("utf-8", "surrogatepass"))
     h.update(b"\x1e")
 
 
