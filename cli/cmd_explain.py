@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-import time
 from collections import Counter
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-from rich.table import Table
-from rich.text import Text
 
 from kvdiag.diagnostics.explain import (
     ConversationNotFoundError,
@@ -22,37 +20,21 @@ from kvdiag.diagnostics.explain import (
     load_turns,
 )
 from kvdiag.diagnostics.html_timeline import render_conversations_html
-from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
+from kvdiag.diagnostics.records import TurnRecord
+from kvdiag.diagnostics.terminal import explain_all_renderables, explain_renderables
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024  # a bar only when the run is long enough to need one
 
 
-def _start(ts: float | None) -> str:
-    return "-" if ts is None else time.strftime("%m-%d %H:%M:%S", time.gmtime(ts))
-
-
-def _fmt(value: Any, spec: str = "") -> str:
-    if value is None:
-        return "-"
-    return format(value, spec) if spec else str(value)
-
-
-def _turn_table(conv: ConversationRecord) -> Table:
-    table = Table(title=Text(f"conversation {conv.conversation_id}"), show_lines=False)
-    for col in ("turn", "start", "TTFT ms", "prompt", "local", "remote", "bytes", "xfer ms", "verdict",
-                "reason", "fix"):
-        table.add_column(col, overflow="fold")
-    for t in conv.turns:
-        # Text, not markup: reasons quote log lines, and "[id]" would be read as a style tag.
-        table.add_row(str(t.turn), _start(t.start_ts), _fmt(t.ttft_ms, ".1f"), _fmt(t.prompt_tokens),
-                      _fmt(t.local_hit_tokens), _fmt(t.remote_tokens), _fmt(t.transfer_bytes),
-                      _fmt(t.transfer_ms, ".1f"), f"{t.verdict.value} ({t.confidence.value})", Text(t.reason),
-                      Text(t.fix))
-    return table
-
-
 def _turn_json(t: TurnRecord) -> dict[str, Any]:
     return t.to_json_dict()
+
+
+def output_console(width: int | None, wide: bool) -> Console:
+    """stdout's console: ``--width``, else the terminal's; piped, COLUMNS or a page wide enough for the view."""
+    if width is None and not sys.stdout.isatty():
+        width = int(os.environ["COLUMNS"]) if os.environ.get("COLUMNS", "").isdigit() else (200 if wide else 120)
+    return Console(width=width) if width else Console()
 
 
 def _progress_fn(console: Console, enabled: bool) -> tuple[Progress | None, Any]:
@@ -86,8 +68,12 @@ def _note_unrecognised(stats: LineStats) -> None:
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, writable=True),
               help="Also draw the conversation(s) as a swimlane timeline in this self-contained HTML file.")
 @click.option("--decoder-ttl", type=float, help="decoder_kv_blocks_ttl (s) to draw on the timeline.")
+@click.option("--wide", is_flag=True, help="One full table with every field as a column (reason and fix included).")
+@click.option("--width", type=click.IntRange(min=40), metavar="COLUMNS",
+              help="Render for this many columns [default: the terminal's; piped: $COLUMNS, else 120].")
 def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversations: bool, as_json: bool,
-            no_progress: bool, html_path: str | None, decoder_ttl: float | None) -> None:
+            no_progress: bool, html_path: str | None, decoder_ttl: float | None, wide: bool,
+            width: int | None) -> None:
     """Explain KV reuse per turn from client, router/proxy, prefill and decode LOGS (globs, folders, .gz).
 
     Exit codes: 0 success, 2 conversation (or, with --all, any conversation) not found, 1 unreadable input.
@@ -129,34 +115,23 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
         except OSError as exc:
             raise click.ClickException(f"cannot write {html_path}: {exc}. Pick a writable path.") from None
         click.echo(f"timeline: {written}", err=True)
-    out = Console(width=200) if not sys.stdout.isatty() else Console()
     if conversation_id:
         conv = convs[0]
         if as_json:
             click.echo(json.dumps(conv.to_json_dict(), indent=2))
             return
-        out.print(_turn_table(conv))
-        if conv.missing_sources:
-            out.print(Text(f"missing log sources: {', '.join(conv.missing_sources)}"))
+        out = output_console(width, wide)
+        for part in explain_renderables(conv, width=out.width, wide=wide):
+            out.print(part)
         return
-    counts = Counter(t.verdict.value for c in convs for t in c.turns)
     if as_json:
+        counts = Counter(t.verdict.value for c in convs for t in c.turns)
         click.echo(json.dumps({"verdict_counts": dict(counts.most_common()),
                                "conversations": [c.to_json_dict() for c in convs]}, indent=2))
         return
-    summary = Table(title="verdict counts")
-    summary.add_column("verdict")
-    summary.add_column("turns", justify="right")
-    for name, n in counts.most_common():
-        summary.add_row(name, str(n))
-    out.print(summary)
-    table = Table(title=f"{len(convs)} conversations, worst first")
-    for col in ("conversation", "turns", "verdicts"):
-        table.add_column(col, overflow="fold")
-    for c in convs:
-        table.add_row(Text(c.conversation_id), str(len(c.turns)),
-                      " ".join(f"{t.turn}:{t.verdict.value}" for t in c.turns))
-    out.print(table)
+    out = output_console(width, wide)
+    for part in explain_all_renderables(convs, wide=wide):
+        out.print(part)
 
 
 COMMANDS = (explain,)

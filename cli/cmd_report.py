@@ -13,15 +13,16 @@ import pandas as pd
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-from rich.table import Table
 from rich.text import Text
 
+from kvdiag.cli.cmd_explain import output_console
 from kvdiag.diagnostics.advise import Advice, advise
 from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
 from kvdiag.diagnostics.detect import LogReadError
 from kvdiag.diagnostics.explain import ExplainError
 from kvdiag.diagnostics.html_report import write_html_report
 from kvdiag.diagnostics.report import ReportError, build_report, load_turn_table, write_outputs
+from kvdiag.diagnostics.terminal_report import report_renderables
 from kvdiag.exporters.parquet import DEFAULT_CACHE_DIR
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024
@@ -70,29 +71,8 @@ def _writing() -> Iterator[None]:
 
 
 def _console() -> Console:
-    # Piped output gets a wide page so the tables' columns are not truncated to 80 characters.
+    # Piped output gets a wide page so the advice lines are not cut to 80 characters.
     return Console() if sys.stdout.isatty() else Console(width=160)
-
-
-def _rich_table(title: str, df: pd.DataFrame) -> Table:
-    table = Table(title=title, title_justify="left")
-    index_name = df.index.name or ""
-    table.add_column(str(index_name))
-    for c in df.columns:
-        table.add_column(str(c), justify="right")
-    for idx, *values in df.itertuples(index=True, name=None):
-        table.add_row(Text(str(idx)), *[Text(_cell(v)) for v in values])
-    return table
-
-
-def _cell(v: object) -> str:
-    if v is None or v is pd.NA or (isinstance(v, float) and v != v):
-        return "-"
-    if isinstance(v, float):
-        if v.is_integer():  # counts that passed through a float column (a transposed mix table)
-            return f"{int(v):,}"
-        return f"{v:.3f}" if abs(v) < 1 else f"{v:,.1f}"
-    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
 
 def _cache_option(f: Callable[..., None]) -> Callable[..., None]:
@@ -113,10 +93,13 @@ def _cache_option(f: Callable[..., None]) -> Callable[..., None]:
 @click.option("--html", "html_path", type=_PATH, help="Write the self-contained HTML report with plots.")
 @click.option("--decoder-ttl", type=click.FloatRange(min=0, min_open=True),
               help="D's decoder_kv_blocks_ttl in seconds, when D's startup log line is not among LOGS.")
+@click.option("--wide", is_flag=True, help="Every column of every section, unabbreviated (the JSON names).")
+@click.option("--width", type=click.IntRange(min=40), metavar="COLUMNS",
+              help="Render for this many columns [default: the terminal's; piped: $COLUMNS, else 120].")
 @_cache_option
 def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | None, json_path: Path | None,
-           html_path: Path | None, decoder_ttl: float | None, cache_dir: Path, no_cache: bool,
-           no_progress: bool, events_only: bool) -> None:
+           html_path: Path | None, decoder_ttl: float | None, wide: bool, width: int | None, cache_dir: Path,
+           no_cache: bool, no_progress: bool, events_only: bool) -> None:
     """Outcome mix, TTFT reused vs recomputed, transfers and gaps, by turn and prompt length, from LOGS."""
     df, cfg = _load(logs, cache_dir, no_cache, no_progress, events_only)
     ttl = float(cfg.decoder_ttl.value) if cfg.decoder_ttl is not None else decoder_ttl
@@ -124,18 +107,9 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
         rep = build_report(df, ttl)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
-    console = _console()
-    console.print(f"[bold]{len(df):,} turns[/] in {df['conversation_id'].nunique():,} conversations")
-    for title, frame in rep.sections:
-        if frame is rep.by_turn or frame is rep.by_prompt:
-            # Verdicts as rows: fifteen verdict columns do not fit a terminal, five buckets do.
-            frame = frame.T.rename_axis("verdict")
-        console.print(_rich_table(title, frame))
-    g = rep.gaps
-    ttl_text = f"{g.decoder_ttl_s:g} s" if g.decoder_ttl_s is not None else "unknown (pass --decoder-ttl)"
-    console.print(f"Inter-turn gaps: {g.gaps_known} known, p50 {_cell(g.quantiles_s['p50'])} s, "
-                  f"p95 {_cell(g.quantiles_s['p95'])} s; decode TTL {ttl_text}; share ≥ TTL {_cell(g.share_over_ttl)}; "
-                  f"expired ratio {_cell(g.expired_ratio)}; missing-metadata ratio {_cell(g.missing_metadata_ratio)}")
+    console = output_console(width, wide)
+    for part in report_renderables(rep, wide=wide):
+        console.print(part)
     with _writing():
         for path in write_outputs(rep, csv=csv_path, parquet_path=parquet_path, json_path=json_path):
             console.print(Text(f"wrote {path}"))

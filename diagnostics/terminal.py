@@ -1,0 +1,277 @@
+"""Terminal output of ``kvdiag explain`` and ``kvdiag report`` (rich renderables, no printing).
+
+Compact by default, for 80-column terminals and up: a per-turn table whose cells never wrap (a
+verdict or a number is never split across lines), humanized sizes and durations, and each turn's
+reason, fix, partial reuse and key evidence below the table as wrapped paragraphs. ``wide`` gives
+the full table with every field as a column. :func:`render_text` renders to a string at a fixed
+width (what the tests check at 80, 100 and 120 columns).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvdiag.diagnostics.humanize import (
+    MISSING,
+    human_bytes,
+    human_count,
+    human_ms,
+    human_share,
+)
+from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
+from kvdiag.schema.verdicts import TRIM_INFO, Confidence, TrimInfo, TrimReason
+
+INFERRED_MARK: Final = "*"
+MAX_EVIDENCE: Final = 2  # key evidence lines per turn in the compact view
+_LABEL_WIDTH: Final = 9
+_INDENT: Final = 2
+
+
+def render_text(renderables: Iterable[RenderableType], width: int) -> str:
+    """Render to plain text at ``width`` columns (no colour, no terminal needed)."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False,
+                      highlight=False, soft_wrap=False)
+    for r in renderables:
+        console.print(r)
+    return "".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines())
+
+
+def compact_table(title: str | Text | None = None) -> Table:
+    # No vertical rules and one space of padding: six columns fit 80 columns with the longest verdict.
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                 padding=(0, 1), collapse_padding=True)
+
+
+def cell(text: str, style: str | None = None) -> Text:
+    # Text, not markup: reasons and ids may hold "[...]", which rich would read as a style tag.
+    return Text(text, style=style or "", no_wrap=True, overflow="ellipsis")
+
+
+def _start(ts: float | None, with_date: bool) -> str:
+    if ts is None:
+        return MISSING
+    return time.strftime("%m-%d %H:%M:%S" if with_date else "%H:%M:%S", time.gmtime(ts))
+
+
+def _reused_tokens(t: TurnRecord) -> int | None:
+    parts = [v for v in (t.local_hit_tokens, t.remote_tokens) if v is not None]
+    return sum(parts) if parts else None
+
+
+def verdict_label(t: TurnRecord) -> str:
+    """The verdict, marked when only inferred."""
+    return t.verdict.value + (INFERRED_MARK if t.confidence is Confidence.INFERRED else "")
+
+
+# ----------------------------------------------------------------------------------------- explain
+
+def explain_renderables(conv: ConversationRecord, *, width: int, wide: bool = False) -> list[RenderableType]:
+    """One conversation: the per-turn table, then (compact) each turn's details."""
+    if wide:
+        out: list[RenderableType] = [_wide_turn_table(conv)]
+    else:
+        out = [_turn_table(conv)]
+        if any(t.confidence is Confidence.INFERRED for t in conv.turns):
+            out.append(Text(f"{INFERRED_MARK} inferred from absent lines, not confirmed by one", style="dim"))
+        for t in conv.turns:
+            out.append(Text(""))
+            out.append(_turn_details(t, width))
+    if conv.missing_sources:
+        out.append(Text(f"missing log sources: {', '.join(conv.missing_sources)}"))
+    return out
+
+
+def _turn_table(conv: ConversationRecord) -> Table:
+    days = {time.gmtime(t.start_ts)[:3] for t in conv.turns if t.start_ts is not None}
+    table = compact_table(Text(f"conversation {conv.conversation_id}" + (
+        f" ({time.strftime('%Y-%m-%d', time.gmtime(next(t.start_ts for t in conv.turns if t.start_ts)))} UTC)"
+        if len(days) == 1 else "")))
+    for name, justify in (("turn", "right"), ("start", "left"), ("TTFT", "right"), ("prompt", "right"),
+                          ("reused", "right"), ("verdict", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for t in conv.turns:
+        table.add_row(cell(str(t.turn)), cell(_start(t.start_ts, len(days) > 1)), cell(human_ms(t.ttft_ms)),
+                      cell(human_count(t.prompt_tokens)), cell(human_count(_reused_tokens(t))),
+                      cell(verdict_label(t), _verdict_style(t)))
+    return table
+
+
+def _verdict_style(t: TurnRecord) -> str:
+    if t.reused:
+        return "green"
+    return "red" if t.verdict.value not in ("first_turn", "unknown") else ""
+
+
+def reuse_line(t: TurnRecord) -> str | None:
+    """How much of D's handle this turn reused, and what the router trimmed (None when nothing is known)."""
+    parts: list[str] = []
+    reused = _reused_tokens(t)
+    if reused and t.prompt_tokens:
+        parts.append(f"reused {human_count(reused)} of {human_count(t.prompt_tokens)} prompt tokens "
+                     f"({human_share(reused / t.prompt_tokens)})")
+    if t.local_hit_tokens:
+        parts.append(f"{human_count(t.local_hit_tokens)} from P's own prefix cache")
+    if t.handle_tokens is not None:
+        limit = t.reuse_limit_tokens
+        if t.trimmed_tokens and t.trim_reason:
+            parts.append(f"D's handle held {human_count(t.handle_tokens)}, the router let P read "
+                         f"{human_count(limit)} and trimmed {human_count(t.trimmed_tokens)} ({t.trim_reason})")
+        else:
+            parts.append(f"D's handle held {human_count(t.handle_tokens)}, the router offered all of it"
+                         if limit is None or limit >= t.handle_tokens else
+                         f"D's handle held {human_count(t.handle_tokens)}, the router let P read {human_count(limit)}")
+    if t.remote_tokens:
+        xfer = f"P read {human_count(t.remote_tokens)} from D"
+        if t.transfer_bytes:
+            xfer += f" ({human_bytes(t.transfer_bytes)} in {human_ms(t.transfer_ms)})"
+        parts.append(xfer)
+    return "; ".join(parts) if parts else None
+
+
+def _turn_details(t: TurnRecord, width: int) -> Group:
+    head = Text(f"turn {t.turn}  ", style="bold")
+    head.append(t.verdict.value, style=_verdict_style(t) or "bold")
+    head.append(f" ({t.confidence.value})")
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=_INDENT, no_wrap=True)
+    grid.add_column(width=_LABEL_WIDTH, no_wrap=True, style="dim")
+    grid.add_column(overflow="fold")  # words wrap at spaces; only a word wider than the page folds
+    rows: list[tuple[str, str]] = [("reason", t.reason or "-")]
+    reuse = reuse_line(t)
+    if reuse:
+        rows.append(("reuse", reuse))
+    info = _trim_info(t)
+    if info is not None:
+        rows.append(("trimmed", info.summary))
+        rows.append(("trim fix", info.fix))
+    if t.wrong_kv_tokens:
+        rows.append(("WRONG KV", f"P loaded {human_count(t.wrong_kv_tokens)} tokens of KV computed for other "
+                                 "tokens: this answer may be wrong, with no error"))
+    if t.mismatch_tokens:
+        rows.append(("mismatch", f"P's block-hash check refused {human_count(t.mismatch_tokens)} offered tokens "
+                                 "that its prompt does not hold"))
+    rows.append(("fix", t.fix or "-"))
+    for label, text in rows:
+        grid.add_row("", label, Text(text, style="bold red" if label == "WRONG KV" else ""))
+    text_width = max(20, width - _INDENT - _LABEL_WIDTH - 2)
+    for ev in t.evidence[:MAX_EVIDENCE]:
+        grid.add_row("", "evidence", Text(ev.source, overflow="fold"))
+        grid.add_row("", "", Text(clip(evidence_summary(ev.text), text_width), no_wrap=True, overflow="crop",
+                                  style="dim"))
+    return Group(head, grid)
+
+
+# Event fields worth a glance, in this order (the raw line is at the source given).
+_EVENT_KEYS: Final = ("turn", "outcome", "reason", "remote_read_tokens", "handle_tokens", "reuse_limit_tokens",
+                      "trimmed_tokens", "trim_reason", "wrong_kv_tokens", "mismatch_tokens", "failure_type",
+                      "status", "lookup", "gap_s", "entry_age_s")
+
+
+_JSON_PAIR_RE: Final = re.compile(r'"(\w+)":\s*("(?:[^"\\]|\\.)*"|[^,{}\[\]]+)')
+
+
+def evidence_summary(text: str) -> str:
+    """A kvdiag event line as ``source/event key=value ...`` (its telling fields); any other line as is.
+
+    Evidence texts are cut at 300 characters, so the pairs are read by pattern, not as a JSON document."""
+    stripped = text.strip()
+    if not stripped.startswith("{"):
+        return stripped
+    pairs: dict[str, str] = {}
+    for m in _JSON_PAIR_RE.finditer(stripped):
+        value = m.group(2).strip()
+        pairs.setdefault(m.group(1), value[1:-1] if value.startswith('"') else value)
+    if "event" not in pairs:
+        return stripped
+    parts = [f"{pairs.get('source', '?')}/{pairs['event']}"]
+    parts += [f"{k}={pairs[k]}" for k in _EVENT_KEYS if k in pairs and pairs[k] != "null"]
+    return " ".join(parts)
+
+
+def _trim_info(t: TurnRecord) -> TrimInfo | None:
+    if not (t.trim_reason and t.trimmed_tokens):
+        return None
+    try:
+        return TRIM_INFO[TrimReason(t.trim_reason)]
+    except ValueError:
+        return None
+
+
+# A place where a long log line may be cut without splitting a number or a word: before a space, or
+# before a JSON key (``,"``); never inside ``1,824``.
+_CUT_RE: Final = re.compile(r'(?= )|(?=,")')
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` on one line of at most ``width`` characters, cut at a word or JSON-key boundary with ``…``."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    limit = width - 1
+    cuts = [m.start() for m in _CUT_RE.finditer(text, 0, limit + 1) if m.start() <= limit]
+    cut = cuts[-1] if cuts and cuts[-1] >= width // 2 else limit
+    return text[:cut].rstrip() + "…"
+
+
+def _wide_turn_table(conv: ConversationRecord) -> Table:
+    table = Table(title=Text(f"conversation {conv.conversation_id}"), show_lines=False)
+    for col in ("turn", "start", "TTFT ms", "prompt", "local", "remote", "bytes", "xfer ms", "handle", "trimmed",
+                "verdict", "reason", "fix"):
+        table.add_column(col, overflow="fold")
+    for t in conv.turns:
+        trimmed = f"{t.trimmed_tokens} ({t.trim_reason})" if t.trimmed_tokens and t.trim_reason else _fmt(
+            t.trimmed_tokens)
+        table.add_row(str(t.turn), _start(t.start_ts, True), _fmt(t.ttft_ms, ".1f"), _fmt(t.prompt_tokens),
+                      _fmt(t.local_hit_tokens), _fmt(t.remote_tokens), _fmt(t.transfer_bytes),
+                      _fmt(t.transfer_ms, ".1f"), _fmt(t.handle_tokens), trimmed,
+                      f"{t.verdict.value} ({t.confidence.value})", Text(t.reason), Text(t.fix))
+    return table
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+def explain_all_renderables(convs: Sequence[ConversationRecord], *, wide: bool = False) -> list[RenderableType]:
+    """Every conversation: the verdict counts, then one row per conversation, worst first."""
+    counts = Counter(t.verdict.value for c in convs for t in c.turns)
+    summary = compact_table("verdict counts") if not wide else Table(title="verdict counts")
+    summary.add_column("verdict", no_wrap=True)
+    summary.add_column("turns", justify="right", no_wrap=True)
+    for name, n in counts.most_common():
+        summary.add_row(cell(name), cell(human_count(n)))
+    table = (compact_table(f"{len(convs):,} conversations, worst first") if not wide
+             else Table(title=f"{len(convs)} conversations, worst first"))
+    table.add_column("conversation", overflow="fold")
+    table.add_column("turns", justify="right", no_wrap=True)
+    table.add_column("verdicts", overflow="fold")
+    for c in convs:
+        if wide:
+            verdicts = " ".join(f"{t.turn}:{t.verdict.value}" for t in c.turns)
+        else:  # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
+            verdicts = " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(t.verdict.value for t in c.turns))
+        table.add_row(Text(c.conversation_id), cell(str(len(c.turns))), Text(verdicts))
+    return [summary, table]
+
+
+def _runs(values: Iterable[str]) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return out

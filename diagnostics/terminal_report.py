@@ -1,0 +1,178 @@
+"""Terminal output of ``kvdiag report`` (rich renderables, no printing).
+
+Compact by default (80 columns and up): verdicts as rows, humanized durations, sizes and shares,
+cells that never wrap, and the partial-reuse fixes and the gaps as wrapped paragraphs. ``wide``
+gives every column of every section under its JSON name (what ``--wide`` prints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import pandas as pd
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvdiag.diagnostics.humanize import (
+    MISSING,
+    human_bytes,
+    human_count,
+    human_ms,
+    human_ratio,
+    human_s,
+    human_share,
+)
+from kvdiag.diagnostics.report import Report
+from kvdiag.diagnostics.terminal import cell, compact_table
+
+Fmt = Callable[[Any], str]
+# (column, header, formatter) per compact section; a column absent from the frame is left out.
+_TTFT: Final[tuple[tuple[str, str, Fmt], ...]] = (
+    ("reused_n", "reused", human_count), ("reused_p50_ms", "p50", human_ms), ("reused_p95_ms", "p95", human_ms),
+    ("recomputed_n", "recomp.", human_count), ("recomputed_p50_ms", "p50", human_ms),
+    ("recomputed_p95_ms", "p95", human_ms), ("speedup_p50", "speed-up", human_ratio))
+_TRANSFER: Final[tuple[tuple[str, str, Fmt], ...]] = (
+    ("transfers", "reads", human_count), ("bytes_p50", "size p50", human_bytes), ("bytes_total", "total", human_bytes),
+    ("ms_p50", "time p50", human_ms), ("ms_p95", "p95", human_ms))
+_FIRST_LATER: Final[tuple[tuple[str, str, Fmt], ...]] = (
+    ("n", "turns", human_count), ("reused_share", "reused", lambda v: human_share(v, 1)),
+    ("ttft_p50_ms", "TTFT p50", human_ms), ("ttft_p95_ms", "p95", human_ms),
+    ("prompt_tokens_p50", "prompt p50", human_count))
+_TRIMS: Final[tuple[tuple[str, str, Fmt], ...]] = (
+    ("turns", "turns", human_count), ("trimmed_tokens", "tokens", human_count),
+    ("share_of_trimmed", "share", human_share))
+
+
+def _value(v: Any) -> Any:
+    return None if v is None or v is pd.NA or (isinstance(v, float) and v != v) else v
+
+
+def _section(title: str, df: pd.DataFrame, index_header: str, spec: tuple[tuple[str, str, Fmt], ...],
+             keep: Callable[[pd.Series], bool] | None = None) -> Table:
+    table = compact_table(Text(title, style="bold"))
+    table.add_column(index_header, no_wrap=True)
+    cols = [(c, h, f) for c, h, f in spec if c in df.columns]
+    for _, header, _ in cols:
+        table.add_column(header, justify="right", no_wrap=True)
+    for idx, row in df.iterrows():
+        if keep is not None and not keep(row):
+            continue
+        table.add_row(cell(str(idx)), *[cell(fmt(_value(row[c]))) for c, _, fmt in cols])
+    return table
+
+
+def _mix(title: str, frame: pd.DataFrame) -> Table:
+    """Verdicts as rows (fifteen verdict columns do not fit a terminal, five buckets do)."""
+    table = compact_table(Text(title, style="bold"))
+    table.add_column("verdict", no_wrap=True)
+    for bucket in frame.index:
+        table.add_column(str(bucket), justify="right", no_wrap=True)
+    verdicts = [c for c in frame.columns if c not in ("turns", "reused_share")]
+    for name in ("turns", *verdicts):
+        table.add_row(cell(name), *[cell(human_count(_value(v))) for v in frame[name]])
+    table.add_row(cell("reused"), *[cell(human_share(_value(v))) for v in frame["reused_share"]])
+    return table
+
+
+def report_renderables(rep: Report, *, wide: bool = False) -> list[RenderableType]:
+    """Every section of the report, in print order."""
+    df = rep.table
+    later = rep.first_later.loc["later"] if "later" in rep.first_later.index else None
+    head = f"{len(df):,} turns in {df['conversation_id'].nunique():,} conversations"
+    if later is not None and _value(later["reused_share"]) is not None:
+        head += f"; later turns reused: {human_share(later['reused_share'], 1)} of {human_count(later['n'])}"
+    out: list[RenderableType] = [Text(head, style="bold")]
+    if wide:
+        out += _wide_sections(rep)
+        out.append(Text(gaps_line(rep)))
+        return out
+    out += [_mix("Outcome mix by turn index", rep.by_turn),
+            _mix("Outcome mix by prompt length (tokens)", rep.by_prompt),
+            _section("TTFT of later turns: reused vs recomputed", rep.ttft, "prompt", _TTFT,
+                     keep=lambda r: bool(r.get("reused_n", 0) or r.get("recomputed_n", 0))),
+            _section("D→P transfers by prompt length", rep.transfer, "prompt", _TRANSFER,
+                     keep=lambda r: bool(r.get("transfers", 0))),
+            _section("First turn vs later turns", rep.first_later, "", _FIRST_LATER)]
+    out += _trims(rep)
+    out.append(Text(gaps_line(rep)))
+    # a blank line between sections
+    return [part for r in out for part in (r, Text(""))][:-1]
+
+
+def _trims(rep: Report) -> list[RenderableType]:
+    t = rep.trims
+    if not t.handle_turns:
+        return []
+    parts: list[RenderableType] = [Text("Partial reuse: D's tokens the router let P read", style="bold"),
+                                   Text(trims_line(rep))]
+    if len(t.by_reason):
+        parts += [Text(""), _section("Trimmed tokens by reason", t.by_reason, "reason", _TRIMS)]
+        for reason, row in t.by_reason.iterrows():
+            line = Text(f"{reason}: ", style="bold")
+            line.append(str(row["fix"]))
+            parts.append(line)
+    return [Group(*parts)]
+
+
+def trims_line(rep: Report) -> str:
+    """The partial-reuse totals as one sentence."""
+    t = rep.trims
+    text = (f"{human_count(t.handle_turns)} turns had a handle from D ({human_count(t.handle_tokens)} tokens): the "
+            f"router let P read up to {human_count(t.reuse_limit_tokens)}, P read {human_count(t.reused_tokens)}; "
+            f"{human_count(t.trimmed_tokens)} tokens ({human_share(t.trimmed_share, 1)}) trimmed in "
+            f"{human_count(t.trimmed_turns)} turns")
+    if t.wrong_kv_tokens is not None:
+        text += f"; wrongly loaded KV: {human_count(t.wrong_kv_tokens)} tokens"
+    if t.mismatch_tokens:
+        text += f"; P's block-hash check refused {human_count(t.mismatch_tokens)}"
+    if t.dominant:
+        text += f". Mostly {t.dominant}: {t.dominant_fix}"
+    return text
+
+
+def gaps_line(rep: Report) -> str:
+    """The inter-turn gaps against the decode TTL as one sentence."""
+    g = rep.gaps
+    ttl = human_s(g.decoder_ttl_s) if g.decoder_ttl_s is not None else "unknown (pass --decoder-ttl)"
+    return (f"Inter-turn gaps: {human_count(g.gaps_known)} known, p50 {human_s(g.quantiles_s['p50'])}, p95 "
+            f"{human_s(g.quantiles_s['p95'])}; decode TTL {ttl}; share at or past the TTL "
+            f"{human_share(g.share_over_ttl, 1)}; expired ratio {human_share(g.expired_ratio, 1)}; "
+            f"missing-metadata ratio {human_share(g.missing_metadata_ratio, 1)}")
+
+
+# ------------------------------------------------------------------------------------------- --wide
+
+def _wide_sections(rep: Report) -> list[RenderableType]:
+    out: list[RenderableType] = []
+    for title, frame in rep.sections:
+        if frame is rep.by_turn or frame is rep.by_prompt:
+            frame = frame.T.rename_axis("verdict")
+        if frame is rep.trims.by_reason and not len(frame):
+            continue
+        out.append(_wide_table(title, frame))
+    if rep.trims.handle_turns:
+        out.append(Text(trims_line(rep)))
+    return out
+
+
+def _wide_table(title: str, df: pd.DataFrame) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column(str(df.index.name or ""))
+    for c in df.columns:
+        table.add_column(str(c), justify="right")
+    for idx, *values in df.itertuples(index=True, name=None):
+        table.add_row(Text(str(idx)), *[Text(wide_cell(v)) for v in values])
+    return table
+
+
+def wide_cell(v: object) -> str:
+    """A raw table value as the full view prints it (numbers unabbreviated)."""
+    if _value(v) is None:
+        return MISSING
+    if isinstance(v, float):
+        if v.is_integer():  # counts that passed through a float column (a transposed mix table)
+            return f"{int(v):,}"
+        return f"{v:.3f}" if abs(v) < 1 else f"{v:,.1f}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
