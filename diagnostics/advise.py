@@ -18,7 +18,8 @@ import pandas as pd
 from kvdiag.diagnostics.advise_config import ConfigFact, DeploymentConfig
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import EXPIRY_SAFETY_MARGIN_S, build_turn_table
-from kvdiag.schema.verdicts import Verdict
+from kvdiag.diagnostics.report_trims import EXPECTED_TRIMS, trim_summary
+from kvdiag.schema.verdicts import TRIM_INFO, TrimReason, Verdict
 
 SCHEMA: Final = "kvdiag.advise/v1"
 GIB: Final = float(1 << 30)
@@ -329,6 +330,7 @@ def config_checks(df: pd.DataFrame, cfg: DeploymentConfig) -> list[Finding]:
                                data={"router_ttl_s": rttl, "decoder_ttl_s": ttl}))
     out += _feature_checks(df, later, cfg)
     out += _policy_checks(df, cfg)
+    out += reuse_checks(df)
     return out
 
 
@@ -373,6 +375,37 @@ def _feature_checks(df: pd.DataFrame, later: pd.DataFrame, cfg: DeploymentConfig
                            "Send a top-level conversation_id (benchmark: --send-conversation-id).", {"turns": no_id}))
     else:
         out.append(Finding("conversation_ids", "ok", "Every turn carried a conversation_id."))
+    return out
+
+
+def reuse_checks(df: pd.DataFrame) -> list[Finding]:
+    """Partial reuse (router events): wrongly loaded KV, and the fix for a trim reason that dominates."""
+    t = trim_summary(df)
+    out: list[Finding] = []
+    if t.wrong_kv_tokens:
+        out.append(Finding("wrong_kv", "error",
+                           f"P loaded {t.wrong_kv_tokens:,} tokens of KV computed for other tokens: those answers may "
+                           "be wrong, with no error.",
+                           "Route through kvdiag router (it injects only the tokens the prompt reproduces) and keep "
+                           "P's exact mode on.", {"wrong_kv_tokens": t.wrong_kv_tokens}))
+    if not t.handle_turns:
+        return out
+    data: dict[str, Any] = {"handle_turns": t.handle_turns, "handle_tokens": t.handle_tokens,
+                            "trimmed_turns": t.trimmed_turns, "trimmed_tokens": t.trimmed_tokens,
+                            "trimmed_share": t.trimmed_share, "dominant": t.dominant}
+    if t.dominant is None:
+        share = f"{t.trimmed_share:.1%}" if t.trimmed_share is not None else "none"
+        out.append(Finding("partial_reuse", "ok" if not t.trimmed_tokens else "info",
+                           f"{t.trimmed_turns:,} of {t.handle_turns:,} handles trimmed ({share} of D's tokens), "
+                           "no single reason dominating.", data=data))
+        return out
+    reason = TrimReason(t.dominant)
+    row = t.by_reason.loc[t.dominant]
+    out.append(Finding("partial_reuse", "info" if reason in EXPECTED_TRIMS else "warning",
+                       f"{t.trimmed_turns:,} of {t.handle_turns:,} handles trimmed ({t.trimmed_share or 0:.1%} of D's "
+                       f"tokens); {reason.value} accounts for {float(row['share_of_trimmed']):.0%} of the trimmed "
+                       f"tokens ({int(row['turns']):,} turns): {TRIM_INFO[reason].summary}",
+                       TRIM_INFO[reason].fix, data))
     return out
 
 

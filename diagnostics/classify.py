@@ -32,7 +32,8 @@ _CLIENT_FIRST = (("ttft_ms", "ttft_ms"), ("prompt_tokens", "prompt_tokens"), ("c
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
 _EVENT_NUMBERS = ("ttft_ms", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
                   "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s", "model",
-                  "failure_type")
+                  "failure_type", "handle_tokens", "reuse_limit_tokens", "trimmed_tokens", "trim_reason",
+                  "wrong_kv_tokens", "mismatch_tokens")
 
 
 @dataclass

@@ -77,6 +77,20 @@ def _advice_html(advice: Advice) -> str:
     return "".join(parts)
 
 
+def _trims_html(report: Report) -> list[str]:
+    t = report.trims
+    if not t.handle_turns:
+        return []
+    rows: list[list[Any]] = [[t.handle_turns, t.handle_tokens, t.reuse_limit_tokens, t.reused_tokens, t.trimmed_turns,
+                              t.trimmed_tokens, t.wrong_kv_tokens, t.mismatch_tokens]]
+    parts = ["<h2>Partial reuse: D's tokens the router let P read, and why not all</h2>",
+             svg.html_table(["turns with a handle", "D's tokens", "allowed", "reused", "trimmed turns",
+                             "trimmed tokens", "wrong KV tokens", "mismatch tokens"], rows, "trim-totals-table")]
+    if len(t.by_reason):
+        parts.append(svg.html_table(["trim reason", *t.by_reason.columns], _frame_rows(t.by_reason), "trim-table"))
+    return parts
+
+
 def render_report_html(report: Report, advice: Advice | None = None, title: str = "kvdiag report",
                        sections: Sequence[str] = ()) -> str:
     """The report as one self-contained HTML document; ``sections`` (markup) follow the summary line."""
@@ -108,6 +122,7 @@ def render_report_html(report: Report, advice: Advice | None = None, title: str 
         svg.html_table(["prompt", *report.transfer.columns], _frame_rows(report.transfer), "transfer-table"),
         "<h2>First turn vs later turns</h2>",
         svg.html_table(["turns", *report.first_later.columns], _frame_rows(report.first_later), "first-later-table"),
+        *_trims_html(report),
     ]
     if advice is not None:
         body.append(_advice_html(advice))

@@ -43,6 +43,15 @@ class TurnRecord:
     prefill_request_id: str | None = None
     decode_request_id: str | None = None
     model: str | None = None
+    # partial reuse (router): D's handle, what the router let P read of it, and why not all of it
+    handle_tokens: int | None = None
+    reuse_limit_tokens: int | None = None
+    trimmed_tokens: int | None = None
+    trim_reason: str | None = None
+    # P's view: tokens loaded whose KV was computed for other ids (the sim's oracle), and offered
+    # tokens its block-hash check refused
+    wrong_kv_tokens: int | None = None
+    mismatch_tokens: int | None = None
     verdict: Verdict = Verdict.UNKNOWN
     confidence: Confidence = Confidence.INFERRED
     reason: str = ""
@@ -73,6 +82,12 @@ class TurnRecord:
             "transfer_ms": self.transfer_ms,
             "gap_s": self.gap_s,
             "status": self.status,
+            "handle_tokens": self.handle_tokens,
+            "reuse_limit_tokens": self.reuse_limit_tokens,
+            "trimmed_tokens": self.trimmed_tokens,
+            "trim_reason": self.trim_reason,
+            "wrong_kv_tokens": self.wrong_kv_tokens,
+            "mismatch_tokens": self.mismatch_tokens,
         }
 
 

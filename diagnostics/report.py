@@ -21,6 +21,7 @@ from kvdiag.diagnostics.detect import detect, expand_paths
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report_fast import fast_turn_table
+from kvdiag.diagnostics.report_trims import TrimSummary, trim_summary
 from kvdiag.exporters import parquet
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS, prompt_bucket, turn_bucket
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
@@ -29,22 +30,27 @@ from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 # 2: the DuckDB path's reasons, confidence, statuses and unknown gaps now equal the parser's.
 # 3: stock INFO turns decided by P's stats windows; TTFT and tokens client first; answered turns after a
 #    failed P attempt.
-TABLE_VERSION: Final = 3
+# 4: partial reuse (handle, reuse limit, trimmed tokens and why) and P's wrong-KV and mismatch counts.
+TABLE_VERSION: Final = 4
 
 TABLE_COLUMNS: Final = (
     "conversation_id", "turn", "turn_bucket", "prompt_tokens", "prompt_bucket", "verdict", "reused",
     "eligible", "confidence", "request_id", "start_ts", "end_ts", "ttft_ms", "latency_ms",
     "completion_tokens", "local_hit_tokens", "remote_offered_tokens", "remote_tokens", "computed_tokens",
     "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s", "status", "failure_type",
-    "metadata_reason", "model", "reason",
+    "metadata_reason", "model", "handle_tokens", "reuse_limit_tokens", "trimmed_tokens", "trim_reason",
+    "wrong_kv_tokens", "mismatch_tokens", "reason",
 )
 _FLOAT_COLUMNS: Final = ("start_ts", "end_ts", "ttft_ms", "latency_ms", "transfer_ms", "prefill_ms", "gap_s",
                          "entry_age_s")
 _INT_COLUMNS: Final = ("turn", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
-                       "remote_tokens", "computed_tokens", "transfer_bytes")
+                       "remote_tokens", "computed_tokens", "transfer_bytes", "handle_tokens", "reuse_limit_tokens",
+                       "trimmed_tokens", "wrong_kv_tokens", "mismatch_tokens")
 _STR_COLUMNS: Final = ("conversation_id", "turn_bucket", "prompt_bucket", "verdict", "confidence", "request_id",
-                       "status", "failure_type", "metadata_reason", "model", "reason")
+                       "status", "failure_type", "metadata_reason", "model", "trim_reason", "reason")
 
+_TRIM_COLUMNS: Final = ("handle_tokens", "reuse_limit_tokens", "trimmed_tokens", "trim_reason", "wrong_kv_tokens",
+                        "mismatch_tokens")
 EXPIRED_VERDICTS: Final = frozenset({Verdict.EXPIRED_REMOTE_READ, Verdict.ROUTER_ENTRY_EXPIRED})
 # vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN: P declines a read whose deadline is within 5 s.
 EXPIRY_SAFETY_MARGIN_S: Final = 5.0
@@ -108,6 +114,8 @@ def build_turn_table(conversations: Iterable[ConversationRecord]) -> pd.DataFram
             cols["failure_type"].append(t.failure_type)
             cols["metadata_reason"].append(_metadata_reason(verdict, t.reason))
             cols["model"].append(t.model)
+            for name in _TRIM_COLUMNS:
+                cols[name].append(getattr(t, name))
             cols["reason"].append(t.reason)
     return normalize_table(pd.DataFrame(cols))
 
@@ -282,6 +290,7 @@ class Report:
     transfer: pd.DataFrame
     first_later: pd.DataFrame
     gaps: GapSummary
+    trims: TrimSummary
 
     @property
     def sections(self) -> list[tuple[str, pd.DataFrame]]:
@@ -292,6 +301,7 @@ class Report:
             ("TTFT of later turns: reused vs recomputed (ms)", self.ttft),
             ("D→P transfers by prompt length", self.transfer),
             ("First turn vs later turns", self.first_later),
+            ("Partial reuse: D's tokens trimmed, by reason", self.trims.by_reason),
         ]
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -307,6 +317,7 @@ class Report:
             "transfer_by_prompt": frame(self.transfer),
             "first_vs_later": frame(self.first_later),
             "gaps": self.gaps.to_json_dict(),
+            "trims": self.trims.to_json_dict(),
         }
 
 
@@ -330,7 +341,7 @@ def build_report(df: pd.DataFrame, decoder_ttl_s: float | None = None) -> Report
                           "files it could not recognise)")
     return Report(table=df, by_turn=outcome_mix(df, "turn_bucket"), by_prompt=outcome_mix(df, "prompt_bucket"),
                   ttft=ttft_by_bucket(df), transfer=transfer_by_bucket(df), first_later=first_vs_later(df),
-                  gaps=gap_summary(df, decoder_ttl_s))
+                  gaps=gap_summary(df, decoder_ttl_s), trims=trim_summary(df))
 
 
 def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = None,

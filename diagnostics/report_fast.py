@@ -30,10 +30,11 @@ from kvdiag.diagnostics.report_stock import STOCK_FAILURES_SQL, STOCK_FORMATS, D
 from kvdiag.diagnostics.vllm_log import VllmRecord
 from kvdiag.schema.events import EVENTS_BY_SOURCE, NON_NEGATIVE, SCHEMA_VERSION, STATUSES
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS
-from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, VERDICT_INFO, Verdict
+from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, VERDICT_INFO, TrimReason, Verdict
 
 log = logging.getLogger(__name__)
 _VERDICT_NAMES: Final = frozenset(v.value for v in Verdict)
+_TRIM_NAMES: Final = frozenset(r.value for r in TrimReason)
 _PROMPT_EDGES: Final = (2048, 8192, 16384, 32768)  # kvdiag.schema.metrics' prompt_bucket edges
 _COLUMNS: Final = {
     "v": "BIGINT", "ts": "DOUBLE", "source": "VARCHAR", "event": "VARCHAR", "conversation_id": "VARCHAR",
@@ -43,11 +44,14 @@ _COLUMNS: Final = {
     "computed_tokens": "BIGINT", "transfer_bytes": "BIGINT", "transfer_ms": "DOUBLE", "ttft_ms": "DOUBLE",
     "duration_ms": "DOUBLE", "prefill_ms": "DOUBLE", "gap_s": "DOUBLE", "entry_age_s": "DOUBLE",
     "outcome": "VARCHAR", "reason": "VARCHAR", "failure_type": "VARCHAR", "status": "VARCHAR", "http_status": "BIGINT",
+    "handle_tokens": "BIGINT", "reuse_limit_tokens": "BIGINT", "trimmed_tokens": "BIGINT", "trim_reason": "VARCHAR",
+    "wrong_kv_tokens": "BIGINT", "mismatch_tokens": "BIGINT",
 }
 # Fields taken from the first event stating them: client, router, then P (the classifier's order).
 _FIELDS: Final = ("model", "prompt_tokens", "completion_tokens", "local_hit_tokens", "remote_offered_tokens",
                   "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s",
-                  "failure_type")
+                  "failure_type", "handle_tokens", "reuse_limit_tokens", "trimmed_tokens", "trim_reason",
+                  "wrong_kv_tokens", "mismatch_tokens")
 
 
 # What the user saw comes from the client first (classify._Turn._numbers): its events, its statistics,
@@ -69,20 +73,22 @@ _PROFILE_SQL: Final = f"""SELECT
     count(*) FILTER (WHERE v IS DISTINCT FROM {SCHEMA_VERSION} OR source IS NULL OR event IS NULL),
     list(DISTINCT source || '/' || event) FILTER (WHERE source IS NOT NULL AND event IS NOT NULL),
     list(DISTINCT outcome) FILTER (WHERE outcome IS NOT NULL),
-    list(DISTINCT status) FILTER (WHERE status IS NOT NULL), min(turn),
+    list(DISTINCT status) FILTER (WHERE status IS NOT NULL),
+    list(DISTINCT trim_reason) FILTER (WHERE trim_reason IS NOT NULL), min(turn),
     least({', '.join(f"min({c})" for c in _NUMBERS_CHECKED)})
 FROM raw"""
 _EVENT_PAIRS: Final = frozenset(f"{src}/{e}" for src, evs in EVENTS_BY_SOURCE.items() for e in evs)
 
 
 def _rejected_by_value(bad_version: int, pairs: list[str], outcomes: list[str], statuses: list[str],
-                       min_turn: int | None, min_number: float | None) -> bool:
+                       trim_reasons: list[str], min_turn: int | None, min_number: float | None) -> bool:
     """True when some scanned event is one event_from_dict rejects (explain counts it as a corrupt line):
     no or another schema version, an event name foreign to its source, a turn below 1, a negative count
-    or duration, an unknown outcome or status. (Values of the wrong JSON type DuckDB coerces;
+    or duration, an unknown outcome, status or trim reason. (Values of the wrong JSON type DuckDB coerces;
     docs/report.md says so.)"""
     return bool(bad_version or not set(pairs or ()) <= _EVENT_PAIRS or not set(outcomes or ()) <= _VERDICT_NAMES
-                or not set(statuses or ()) <= set(STATUSES) or (min_turn is not None and min_turn < 1)
+                or not set(statuses or ()) <= set(STATUSES) or not set(trim_reasons or ()) <= _TRIM_NAMES
+                or (min_turn is not None and min_turn < 1)
                 or (min_number is not None and min_number < 0))
 
 

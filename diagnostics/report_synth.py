@@ -35,6 +35,8 @@ class SynthParams:
     attention_ms: float = 0.0  # sim time model: + n·(n/2)·attention for a prefill from scratch
     block_size: int = 16
     missing_metadata_share: float = 0.0
+    trim_share: float = 0.0  # reused turns whose handle the router cut to the previous prompt
+    trim_reasons: tuple[str, ...] = ("reasoning_stripped", "tool_call_rerendered", "history_reasoning")
     noise: float = 0.02
     seed: int = 7
     start_ts: float = 1_790_000_000.0
@@ -53,6 +55,7 @@ def synthetic_conversations(p: SynthParams = SynthParams()) -> list[Conversation
         now = p.start_ts + rng.uniform(0, 3600)
         prompt = rng.randint(300, 24000)
         prev_total: int | None = None
+        prev_prompt: int | None = None
         for turn in range(1, rng.randint(p.min_turns, p.max_turns) + 1):
             gap: float | None = None
             if turn > 1:
@@ -63,6 +66,7 @@ def synthetic_conversations(p: SynthParams = SynthParams()) -> list[Conversation
                 now += gap
             verdict, remote = Verdict.FIRST_TURN, 0
             reason = ""
+            trim: dict[str, int | str | None] = {}
             if turn > 1 and prev_total is not None:
                 if p.router_ttl_s is not None and gap is not None and gap >= p.router_ttl_s:
                     verdict = Verdict.ROUTER_ENTRY_EXPIRED
@@ -72,6 +76,13 @@ def synthetic_conversations(p: SynthParams = SynthParams()) -> list[Conversation
                     verdict, reason = Verdict.METADATA_NOT_RETURNED, "previous decode response: not_streamed"
                 else:
                     verdict, remote = Verdict.REMOTE_HIT, min(prev_total, prompt)
+                    trim = {"handle_tokens": prev_total, "reuse_limit_tokens": prev_total, "wrong_kv_tokens": 0}
+                    if p.trim_share and rng.random() < p.trim_share and prev_prompt is not None:
+                        # the router proves the previous prompt only: whole blocks of it
+                        limit = prev_prompt // p.block_size * p.block_size
+                        trim.update(reuse_limit_tokens=limit, trimmed_tokens=prev_total - limit,
+                                    trim_reason=rng.choice(p.trim_reasons), mismatch_tokens=0)
+                        remote = min(limit, prompt)
             computed = prompt - remote
             xfer_bytes = xfer_ms = None
             if remote:
@@ -94,10 +105,12 @@ def synthetic_conversations(p: SynthParams = SynthParams()) -> list[Conversation
                 gap_s=gap, status="ok", model="synthetic", verdict=verdict, confidence=Confidence.CONFIRMED,
                 reason=reason or VERDICT_INFO[verdict].summary, fix=VERDICT_INFO[verdict].fix,
                 evidence=[Evidence(source=f"router-events.jsonl:{c * 10 + turn}", text=f"outcome={verdict.value}")],
+                **trim,  # type: ignore[arg-type]
             )
             conv.turns.append(rec)
             now = rec.end_ts or now
             prev_total = prompt + completion - 1
+            prev_prompt = prompt
             prompt = prompt + completion + rng.randint(20, 2500)
         out.append(conv)
     return out
@@ -116,6 +129,9 @@ def router_events(conversations: Iterable[ConversationRecord], router_ttl_s: flo
                 transfer_bytes=t.transfer_bytes, transfer_ms=_r3(t.transfer_ms), ttft_ms=_r3(t.ttft_ms),
                 duration_ms=_r3(t.latency_ms), prefill_ms=_r3(t.prefill_ms), gap_s=_r3(t.gap_s),
                 ttl_s=router_ttl_s, outcome=t.verdict.value, reason=t.reason, status=t.status,
+                handle_tokens=t.handle_tokens, reuse_limit_tokens=t.reuse_limit_tokens,
+                trimmed_tokens=t.trimmed_tokens, trim_reason=t.trim_reason, wrong_kv_tokens=t.wrong_kv_tokens,
+                mismatch_tokens=t.mismatch_tokens,
             ).to_json()
 
 

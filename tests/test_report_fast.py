@@ -24,7 +24,7 @@ KEY = ["conversation_id", "turn"]
 
 
 def _convs() -> list:  # type: ignore[type-arg]
-    convs = synthetic_conversations(SynthParams(conversations=60, seed=21, missing_metadata_share=0.1))
+    convs = synthetic_conversations(SynthParams(conversations=60, seed=21, missing_metadata_share=0.1, trim_share=0.3))
     convs[0].turns[1].status = "error"  # the reason then says the turn failed
     convs[2].turns[0].status = "timeout"
     convs[3].turns[1].reason = "inferred: P failed the first leg."  # an inferred outcome, and a trailing dot
