@@ -479,6 +479,9 @@ class ReadJudge:
         body = self.reply.body
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         report = params.get(REPORT_KEY) if isinstance(params, dict) else None
+        error = body.get("error") if isinstance(body, dict) else None
+        if report is None and isinstance(error, dict):
+            report = error.get(REPORT_KEY)  # vLLM answers a KV load failure with HTTP 500: the report rides there
         if self.reply.status != 200 and not isinstance(report, dict):
             failed, expired = self._moved(FAILED), self._moved(EXPIRED)
             if failed or expired:

@@ -182,17 +182,21 @@ class Engine:
             series.inc()
 
     def count_failed_transfer(self, notification: bool = False) -> None:
-        """A failed transfer (or notification)."""
+        """A failed transfer, handshake or notification (vLLM 0.33 counts all three as failed transfers)."""
         if notification:
             self.metrics.nixl_num_failed_notifications.inc()
-        else:
-            self.metrics.nixl_num_failed_transfers.inc()
-            self.stats.failed_transfers += 1
+        self.metrics.nixl_num_failed_transfers.inc()
+        self.stats.failed_transfers += 1
 
     def count_expired(self) -> None:
-        """A request whose KV expired (declined on P, released at TTL on D)."""
+        """A request whose KV expired (declined on P, released at TTL on D); not a failed transfer."""
         self.metrics.nixl_num_kv_expired_reqs.inc()
         self.stats.expired_reqs += 1
+
+    def count_notification_after_expiry(self) -> None:
+        """A reader's notification for blocks this engine no longer holds (their KV may have been reused)."""
+        self.metrics.nixl_num_notifications_after_expiry.inc()
+        self.stats.notifs_after_expiry += 1
 
     def record_transfer(self, model_ms: float, post_s: float, nbytes: int, descriptors: int) -> None:
         """A completed read (telemetry is recorded by the reader, as in vLLM)."""
@@ -223,6 +227,9 @@ class Engine:
                 self.stats.handshaken.clear()
             self.log.log("INFO", "compat_ok", vl.MSG_COMPAT_OK, "96e517f363b03b2d90e924e04129822ae05c7b0064ea51912a"
                          "1c0d4b16")
+            # vLLM's worker registers the peer right after the check and logs its plan (one TP rank each side).
+            self.log.log("INFO", "transfer_plan", vl.MSG_TRANSFER_PLAN, 1, 8, 1, 1, 0, 1, 1, 0,
+                         self.config.block_size * 8 * 128 * 2 * 2)
 
     def _count_emit_error(self) -> None:
         if self.metrics.catalog is not None:
@@ -274,8 +281,8 @@ class Engine:
         state.local_wrong_kv = sum(a != b for a, b in zip(state.kv[:state.hit_tokens], state.prompt, strict=False))
         self.metrics.prefix_cache_queries.inc(len(state.prompt))
         self.metrics.prefix_cache_hits.inc(state.hit_tokens)
-        self.stats.queries += len(state.prompt)
-        self.stats.hits += state.hit_tokens
+        if self.faults.prefix_caching:
+            self.stats.local.observe(len(state.prompt), state.hit_tokens)
         params = state.params or {}
         if state.role == "P" and has_handle(params):
             if self.faults.bidirectional_kv_xfer:
@@ -284,6 +291,8 @@ class Engine:
                 state.read.remote_num_tokens = max(0, params["remote_num_tokens"])  # P ignores the handle
         elif state.role == "D" and has_handle(params):
             await self._pull(state, params, d2p=False)
+        # vLLM's connector lookup: the tokens past the local hit, and those the remote read supplied
+        self.stats.external.observe(len(state.prompt) - state.hit_tokens, state.read.read_tokens)
         state.computed_tokens = len(state.prompt) - state.hit_tokens - state.read.read_tokens
         ctx = state.hit_tokens + state.read.read_tokens
         await self.advance(state, self.profile.prefill_ms(state.computed_tokens, ctx))
@@ -300,7 +309,7 @@ class Engine:
         m.prompt_tokens_cached.inc(state.cached_tokens)
         m.request_prefill_kv_computed_tokens.observe(state.computed_tokens)
         m.request_prefill_time.observe(state.prefill_ms / 1000.0)
-        self.stats.prompt_tokens += len(state.prompt)
+        self.stats.prompt_tokens += state.computed_tokens  # vLLM's prompt throughput: computed tokens only
 
     async def _pull(self, state: RequestState, params: dict[str, Any], d2p: bool) -> None:
         res = await pull(self, state, params, d2p=d2p)
@@ -308,7 +317,6 @@ class Engine:
         if res.read_tokens:
             self.metrics.external_prefix_cache_queries.inc(res.offered)
             self.metrics.external_prefix_cache_hits.inc(res.read_tokens)
-            self.stats.external_hits += res.read_tokens
             series = self.metrics.connector("kvdiag_connector_remote_read_tokens")
             if series is not None:
                 series.inc(res.read_tokens)
@@ -424,10 +432,10 @@ class Engine:
                 self.pool.commit(state.block_ids, chain_hashes(seq, bs))
             self.pool.release(state.block_ids)
             state.block_ids = []
-        if state.role == "P" and self.config.instrumented:
-            report = self.report(state)
-            params = dict(params) if params is not None else {}
-            params["kvdiag"] = report.to_dict()
+        if state.role == "P" and self.config.instrumented and params is not None:
+            # Only into params vLLM returns: a stock proxy branches on null params, so null stays null
+            # (the outcome still reaches the prefill event, the metrics and a failed request's error body).
+            params = {**params, "kvdiag": self.report(state).to_dict()}
         self.emit_request(state)
         return params
 
@@ -510,6 +518,7 @@ class Engine:
         if hold is None or not set(wanted) <= set(hold.block_ids):
             if body.get("notify", True):
                 self.log.log("ERROR", "potentially_invalid", vl.MSG_POTENTIALLY_INVALID, req_id)
+                self.count_notification_after_expiry()
             return {"held": False, "block_tokens": block_tokens}
         hold.reads += 1
         if body.get("notify", True):
@@ -524,6 +533,7 @@ class Engine:
         hold = self.pool.holds.get(req_id)
         if hold is None:
             self.log.log("ERROR", "potentially_invalid", vl.MSG_POTENTIALLY_INVALID, req_id)
+            self.count_notification_after_expiry()
             return {"held": False}
         self._finished_sending(hold, "notify_only")
         return {"held": True}

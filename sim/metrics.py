@@ -87,13 +87,21 @@ class VllmMetrics:
                                            "KV Cache transfers.", BYTES_BUCKETS)
         self.nixl_num_descriptors = hist("vllm:nixl_num_descriptors", "Histogram of number of descriptors per NIXL  "
                                          "KV Cache transfers.", DESCRIPTOR_BUCKETS)
-        self.nixl_num_failed_transfers = counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache "
-                                                 "transfers.").labels(**lv)
-        self.nixl_num_failed_notifications = counter("vllm:nixl_num_failed_notifications", "Number of failed NIXL KV "
-                                                     "Cache notifications.").labels(**lv)
+        # vLLM 0.33: handshake and notification failures count as failed transfers too; expiry apart.
+        self.nixl_num_failed_transfers = counter(
+            "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers, including handshake and "
+            "notification failures. NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs."
+            ).labels(**lv)
+        self.nixl_num_failed_notifications = counter(
+            "vllm:nixl_num_failed_notifications", "Number of failed NIXL KV Cache notifications. Retained for "
+            "compatibility; these failures are also included in vllm:nixl_num_failed_transfers.").labels(**lv)
         self.nixl_num_kv_expired_reqs = counter("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their "
                                                 "KV expire. NOTE: This metric is tracked on the P instance."
                                                 ).labels(**lv)
+        self.nixl_num_notifications_after_expiry = counter(
+            "vllm:nixl_num_notifications_after_expiry", "Number of completion notifications for requests that were "
+            "no longer tracked, usually because their KV lease expired. The KV blocks may have been reused before "
+            "the transfer finished. Counted per notification (one per remote rank), not per request.").labels(**lv)
         # The testbed's oracle (both modes; not a vLLM series): prompt positions whose loaded KV was
         # computed for other token ids, from a remote read or from prefix-cache blocks loaded wrong earlier.
         wrong = counter(WRONG_KV_METRIC, "Sim oracle: prompt tokens whose loaded KV was computed for other token "

@@ -284,8 +284,7 @@ async def _check_expiry(engine: Engine, state: RequestState, params: dict[str, A
     if time.perf_counter() + engine.config.expiry_safety_margin_s < deadline_local:
         return True
     engine.log.log("WARNING", "declining", vl.MSG_DECLINING, state.internal_id, agent.engine_id)
-    engine.count_expired()
-    engine.count_failed_transfer()
+    engine.count_expired()  # vLLM 0.33: an expiry, not a transport failure
     _failed(res, DECLINED_EXPIRED, "read declined: D's blocks expire within the safety margin "
             f"({engine.config.expiry_safety_margin_s:g} s)")
     return False

@@ -106,14 +106,8 @@ async def _handle_completion(request: web.Request, kind: str) -> web.StreamRespo
         return _error(f"Internal server error: {exc}", 500, "InternalServerError")
     except KVLoadFailed:
         state.finish_reason = "error"
-        out_params = engine.finish(state)
-        _log_generated(engine, state, "")
-        if not req.stream:
-            return web.json_response(_body(engine, state, req, out_params))
-        resp = await _start_sse(request)
-        with contextlib.suppress(ConnectionError):
-            await _stream_failed(resp, engine, state, req, out_params)
-        return resp
+        engine.finish(state)
+        return await _generation_error(request, engine, state, req)
     if not req.stream:
         async for _ in engine.generate(state):
             pass
@@ -123,16 +117,32 @@ async def _handle_completion(request: web.Request, kind: str) -> web.StreamRespo
     return await _stream(request, engine, state, req)
 
 
-async def _stream_failed(resp: web.StreamResponse, engine: Engine, state: RequestState, req: ParsedRequest,
-                         params: dict[str, Any] | None) -> None:
-    created, model, with_params = int(time.time()), engine.config.model, engine.faults.stream_kv_params
-    if req.kind == "chat":
-        await _send(resp, shapes.chat_role_chunk(state.external_id, model, created, None))
-        await _send(resp, shapes.chat_chunk(state.external_id, model, created, {}, None, "error", params, with_params))
-    else:
-        await _send(resp, shapes.completion_chunk(state.external_id, model, created, "", None, None, "error", params,
-                                                  with_params))
-    await resp.write(b"data: [DONE]\n\n")
+async def _generation_error(request: web.Request, engine: Engine, state: RequestState,
+                            req: ParsedRequest) -> web.StreamResponse:
+    """vLLM 0.33's answer to a request that finished with ``finish_reason`` error (a KV load failure under
+    policy ``fail``): its serving layer logs the request and raises GenerationError, so a full response is
+    HTTP 500 with the error object, and a stream (already 200) sends the error object as its next chunk
+    (after the chat role chunk) and ``[DONE]``. No params, no choices.
+
+    Instrumented, P's report rides in the error object, which a stock proxy never reads (it fails the
+    request on the status or the error chunk alike).
+    """
+    engine.log.log("ERROR", "generation_error", vl.MSG_GENERATION_ERROR, state.external_id, process=vl.API)
+    error: dict[str, Any] = {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                             "code": 500}
+    if state.role == "P" and engine.config.instrumented:
+        error["kvdiag"] = engine.report(state).to_dict()
+    if not req.stream:
+        return web.json_response({"error": error}, status=500)
+    resp = await _start_sse(request)
+    with contextlib.suppress(ConnectionError):
+        if req.kind == "chat":
+            prompt_ids = list(state.prompt) if req.return_token_ids else None
+            await _send(resp, shapes.chat_role_chunk(state.external_id, engine.config.model, int(time.time()),
+                                                     prompt_ids))
+        await _send(resp, {"error": error})
+        await resp.write(b"data: [DONE]\n\n")
+    return resp
 
 
 async def _stream(request: web.Request, engine: Engine, state: RequestState, req: ParsedRequest) -> web.StreamResponse:

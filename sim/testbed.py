@@ -41,9 +41,13 @@ class TurnResult:
 
     @property
     def report(self) -> dict[str, Any] | None:
-        """P's kvdiag report (instrumented mode)."""
+        """P's kvdiag report (instrumented mode): in its params, or in the error object of a failed request."""
         params = self.p_params
-        return params.get("kvdiag") if params else None
+        if params:
+            return params.get("kvdiag")
+        error = self.p_body.get("error")
+        report = error.get("kvdiag") if isinstance(error, dict) else None
+        return report if isinstance(report, dict) else None
 
 
 async def read_sse(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:

@@ -55,13 +55,14 @@ SITES: Final[dict[str, tuple[str, str, int]]] = {
     "generated_response": ("logger.py", "entrypoints/logger.py", 73),
     "added_request": ("async_llm.py", "v1/engine/async_llm.py", 377),
     "request_failed": ("async_llm.py", "v1/engine/async_llm.py", 540),
+    "generation_error": ("serving.py", "entrypoints/.../base/serving.py", 203),
     "kv_metrics": ("metrics.py", "distributed/.../v1/metrics.py", 108),
     "engine_stats": ("loggers.py", "v1/metrics/loggers.py", 335),
     "connector_created": ("factory.py", "distributed/.../kv_connector/factory.py", 56),
     "init_scheduler": ("base_scheduler.py", _N + "base_scheduler.py", 160),
 }
 
-# Verbatim vLLM format strings (vllm.md §3, vllm-bidir-observed.md).
+# Verbatim vLLM 0.33 format strings.
 MSG_STARTUP_BIDIR: Final = ("Bidirectional KV transfer is enabled and the kv recompute threshold is set to %d "
                             "tokens.KV blocks on D are released after a TTL of %d seconds.")
 MSG_RELEASING_EXPIRED: Final = ("Releasing expired KV blocks for request %s which were retrieved by %d remote "
@@ -94,6 +95,7 @@ MSG_RECEIVED_REQUEST: Final = "Received request %s: params: %s, lora_request: %s
 MSG_ADDED_REQUEST: Final = "Added request %s."
 MSG_GENERATED_RESPONSE: Final = "Generated response %s%s: output: %r, output_token_ids: %s, finish_reason: %s"
 MSG_REQUEST_FAILED: Final = "Request %s failed."
+MSG_GENERATION_ERROR: Final = "Request %s failed with an internal error during generation"
 MSG_KV_METRICS: Final = "KV Transfer metrics: %s"
 MSG_TRANSFER_PLAN: Final = ("Transfer plan: TransferTopology(tp_ratio=%d, num_kv_heads=%d, local_tp=%d, remote_tp=%d, "
                             "remote_pp=%d, local_dcp=%d, remote_dcp=%d, local_rank=%d, remote_block_len=%d)")

@@ -171,8 +171,10 @@ async def test_ttl_expiry_releases_and_p_declines(engines: Factory, session: aio
     d_log = _log(tmp_path, "decode")
     assert (f"Releasing expired KV blocks for request {t1.d_params['remote_request_id']} which were retrieved by 0 "
             "remote worker(s) before lease expired.") in d_log
-    assert t2.p_body["choices"][0]["finish_reason"] == "error"
-    report = t2.report
+    # vLLM 0.33's API server: a request finished with finish_reason error is an HTTP 500 error object
+    assert t2.p_status == 500 and t2.p_body["error"]["type"] == "InternalServerError"
+    report = t2.report  # instrumented: in the error object
+    assert "kv_transfer_params" not in t2.p_body
     assert report is not None and report["outcome"] == "expired_remote_read"
     p_log = _log(tmp_path, "prefill")
     internal = report["engine_request_id"]
@@ -190,8 +192,9 @@ async def test_decline_near_expiry_in_stock_mode(engines: Factory, session: aioh
     p = await engines("prefill", prefix_caching=False, mode="stock", events_file=None)
     d = await engines("decode", decoder_kv_blocks_ttl=4.0, mode="stock", events_file=None)
     t1, t2 = await _two_turns(session, p, d)
-    assert t2.p_body["choices"][0]["finish_reason"] == "error"
-    assert t2.p_body["kv_transfer_params"] is None  # stock vLLM: a failed request returns no params
+    assert t2.p_status == 500  # stock vLLM 0.33: no params, the API server's error object
+    assert t2.p_body == {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                                   "code": 500}}
     assert "Declining expired remote read for chatcmpl-conv1-t2-" in _log(tmp_path, "prefill")
     assert t1.d_params is not None and t1.d_params["remote_request_id"] in d.engine.pool.holds
 
