@@ -25,7 +25,7 @@ from kvdiag.schema.events import (
     TurnEvent,
     event_from_dict,
 )
-from kvdiag.schema.verdicts import Verdict
+from kvdiag.schema.verdicts import TrimReason, Verdict
 
 REQUEST_STATS_FIELDS: Final = (
     "ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
@@ -107,6 +107,7 @@ _DEFAULTS: Final[dict[str, Any]] = {f.name: f.default for f in fields(TurnEvent)
 _OUTCOMES: Final = frozenset(v.value for v in Verdict)
 _STATUSES: Final = frozenset(STATUSES)
 _RELEASE_REASONS: Final = frozenset(RELEASE_REASONS)
+_TRIM_REASONS: Final = frozenset(r.value for r in TrimReason)
 
 
 def fast_event(obj: dict[str, Any]) -> TurnEvent | None:
@@ -151,7 +152,8 @@ def fast_event(obj: dict[str, Any]) -> TurnEvent | None:
         return None
     if ("outcome" in clean and clean["outcome"] not in _OUTCOMES) or ("turn" in clean and clean["turn"] < 1) \
             or ("status" in clean and clean["status"] not in _STATUSES) \
-            or ("release_reason" in clean and clean["release_reason"] not in _RELEASE_REASONS):
+            or ("release_reason" in clean and clean["release_reason"] not in _RELEASE_REASONS) \
+            or ("trim_reason" in clean and clean["trim_reason"] not in _TRIM_REASONS):
         return None
     ev: TurnEvent = object.__new__(TurnEvent)
     state = ev.__dict__
