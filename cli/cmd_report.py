@@ -17,11 +17,12 @@ from rich.text import Text
 
 from kvdiag.cli.cmd_explain import output_console
 from kvdiag.diagnostics.advise import Advice, advise
-from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
+from kvdiag.diagnostics.advise_config import DeploymentConfig, display_config, scan_config_cached
 from kvdiag.diagnostics.detect import LogReadError
 from kvdiag.diagnostics.explain import ExplainError
 from kvdiag.diagnostics.html_report import write_html_report
 from kvdiag.diagnostics.report import ReportError, build_report, load_turn_table, write_outputs
+from kvdiag.diagnostics.sources import stage_inputs
 from kvdiag.diagnostics.terminal_report import report_renderables
 from kvdiag.exporters.parquet import DEFAULT_CACHE_DIR
 
@@ -48,11 +49,18 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 
 def _load(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progress: bool, events_only: bool
           ) -> tuple[pd.DataFrame, DeploymentConfig]:
+    cache = None if no_cache else cache_dir
     try:
-        with _progress(not no_progress and sys.stderr.isatty()) as update:
-            df = load_turn_table(logs, cache_dir=None if no_cache else cache_dir, progress=update,
-                                 events_only=events_only)
-        return df, scan_config_cached(logs, None if no_cache else cache_dir)
+        with stage_inputs(logs, mirror_dir=cache / "s3" if cache is not None else None) as staged:
+            if staged.stats.corrupt:
+                first = f" (first: {staged.display(staged.stats.notes[0])})" if staged.stats.notes else ""
+                click.echo(f"note: skipped {staged.stats.corrupt} line(s) in no container log format{first}",
+                           err=True)
+            with _progress(not no_progress and sys.stderr.isatty()) as update:
+                df = load_turn_table(staged, cache_dir=cache, progress=update, events_only=events_only)
+            # the config cache is keyed by the files read: staged copies are new each run
+            cfg = scan_config_cached(staged.paths, None if staged.renamed else cache)
+            return df, display_config(cfg, staged.display) if staged.renamed else cfg
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
     except (LogReadError, ExplainError) as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -168,6 +168,20 @@ def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
             for lineno, line in _lines(path, _MARKERS):
                 _from_text(cfg, line, role, f"{path}:{lineno}")
     return cfg
+
+
+def display_config(cfg: DeploymentConfig, display: Callable[[str], str]) -> DeploymentConfig:
+    """``cfg`` with every file name and ``file:line`` source passed through ``display`` (staged inputs)."""
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, str):
+            return display(obj)
+        if isinstance(obj, dict):
+            return {display(k) if isinstance(k, str) else k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        return obj
+
+    return DeploymentConfig.from_json_dict(walk(cfg.to_json_dict()))
 
 
 def scan_config_cached(paths: Sequence[str | Path], cache_dir: Path | None) -> DeploymentConfig:

@@ -29,6 +29,7 @@ from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log import parse_proxy_numbered
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, head_lines, read_all_lines
+from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.diagnostics.vllm_log import header_request_id, parse_vllm_numbered
 from kvdiag.diagnostics.window_load import ledger_for_conversation, ledger_for_index
 from kvdiag.schema.verdicts import VERDICT_INFO, Verdict
@@ -192,16 +193,52 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load_turns(paths: Iterable[str], progress: ProgressFn | None = None, *,
+@contextlib.contextmanager
+def staged_inputs(paths: Iterable[str] | StagedInputs) -> Iterator[StagedInputs]:
+    """``paths`` made local and bare (sources.stage_inputs), errors as UnreadableLogError naming the input."""
+    if isinstance(paths, StagedInputs):
+        yield paths
+        return
+    try:
+        ctx = stage_inputs(list(paths))
+        staged = ctx.__enter__()
+    except LogReadError as exc:
+        raise UnreadableLogError(str(exc)) from None
+    try:
+        yield staged
+    except UnreadableLogError as exc:
+        raise UnreadableLogError(staged.display(str(exc))) from None
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def _merge_stats(stats: LineStats | None, staged: StagedInputs, inner: LineStats) -> None:
+    if stats is None:
+        return
+    staged.display_stats(inner)
+    stats.merge(staged.stats)
+    stats.merge(inner)
+
+
+def load_turns(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None = None, *,
                stats: LineStats | None = None) -> list[ConversationRecord]:
-    """Every conversation in the logs (globs, .gz, rotated files), turns classified, worst first.
+    """Every conversation in the logs (files, folders, globs, .gz and rotated files, container log wrappers,
+    ``s3://`` URLs), turns classified, worst first.
 
     ``stats`` (optional) receives the line counts, corrupt lines skipped included.
     """
+    with staged_inputs(paths) as staged:
+        inner = LineStats()
+        convs = _load_turns(staged.paths, progress, stats=inner)
+        staged.display_records(convs)
+        _merge_stats(stats, staged, inner)
+        return convs
+
+
+def _load_turns(paths: Iterable[str], progress: ProgressFn | None, *, stats: LineStats) -> list[ConversationRecord]:
     with gc_paused():
         index = load_index(paths, progress)
-        if stats is not None:
-            stats.merge(index.stats)
+        stats.merge(index.stats)
         ctx = Context.from_index(index)
         joined = correlate(index)
         convs = [classify(c, index, ctx) for c in joined]
@@ -215,14 +252,26 @@ def load_turns(paths: Iterable[str], progress: ProgressFn | None = None, *,
         return sorted(convs, key=_severity)
 
 
-def explain_conversation(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None = None, *,
-                         stats: LineStats | None = None) -> ConversationRecord:
+def explain_conversation(paths: Iterable[str] | StagedInputs, conversation_id: str,
+                         progress: ProgressFn | None = None, *, stats: LineStats | None = None) -> ConversationRecord:
     """One conversation, its turns classified; raise ConversationNotFoundError if absent.
 
     ``stats`` (optional) receives the counts of the lines the prefilter kept (corrupt ones included).
     """
+    with staged_inputs(paths) as staged:
+        inner = LineStats()
+        try:
+            conv = _explain_conversation(staged.paths, conversation_id, progress, stats=inner)
+        finally:
+            _merge_stats(stats, staged, inner)
+        staged.display_records([conv])
+        return conv
+
+
+def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None, *,
+                          stats: LineStats) -> ConversationRecord:
     index = LogIndex()
-    files = _detect(paths, index.stats if stats is None else stats)
+    files = _detect(paths, stats)
     tick = _Progress(sum(f.size for f in files), progress, 2)
     tags = id_tags(conversation_id)
     # JSON writers escape non-ASCII and quotes: look for that spelling too
@@ -274,8 +323,7 @@ def explain_conversation(paths: Iterable[str], conversation_id: str, progress: P
     convs = correlate(index, only=conversation_id)
     # A second look at the ids of engine/proxy lines only joined through rids is not needed:
     # correlate keys every record by the rids gathered in pass 1.
-    if stats is not None:
-        stats.merge(index.stats)
+    stats.merge(index.stats)
     match = next((c for c in convs if c.conversation_id == conversation_id), None)
     if match is None:
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))

@@ -17,11 +17,12 @@ from typing import Any, Final
 import numpy as np
 import pandas as pd
 
-from kvdiag.diagnostics.detect import detect, expand_paths
+from kvdiag.diagnostics.detect import detect
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report_fast import fast_turn_table
 from kvdiag.diagnostics.report_trims import TrimSummary, trim_summary
+from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.exporters import parquet
 from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS, prompt_bucket, turn_bucket
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
@@ -344,10 +345,11 @@ def build_report(df: pd.DataFrame, decoder_ttl_s: float | None = None) -> Report
                   gaps=gap_summary(df, decoder_ttl_s), trims=trim_summary(df))
 
 
-def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = None,
+def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Path | None = None,
                     progress: Callable[[int, int], None] | None = None, fast: bool = True,
                     events_only: bool = False) -> pd.DataFrame:
-    """Parse and correlate ``paths`` (globs, folders, .gz) into the turn table, through the Parquet
+    """Parse and correlate ``paths`` (files, globs, folders, .gz, container log wrappers, ``s3://`` URLs;
+    or inputs already staged by kvdiag.diagnostics.sources) into the turn table, through the Parquet
     cache when ``cache_dir`` is set. Raises explain's LogReadError/ExplainError.
 
     ``fast``: when kvdiag event files are among the inputs, build the table in DuckDB (report_fast, with
@@ -355,14 +357,28 @@ def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = Non
     the parser models (same table either way). Stock logs alone take the parser: only events decide a
     verdict in SQL.
     ``events_only``: use only the event files among the inputs (faster; but turns only stock logs show
-    are lost, and the fields and reasons stock lines add to the other turns are missing)."""
-    files = expand_paths([str(p) for p in paths])
+    are lost, and the fields and reasons stock lines add to the other turns are missing).
+    ``s3://`` objects are mirrored under ``cache_dir/s3`` (reused while their ETag holds)."""
+    if isinstance(paths, StagedInputs):
+        return _load_staged(paths, cache_dir, progress, fast, events_only)
+    mirror_dir = cache_dir / "s3" if cache_dir is not None else None
+    with stage_inputs([str(p) for p in paths], mirror_dir=mirror_dir) as staged:
+        return _load_staged(staged, cache_dir, progress, fast, events_only)
+
+
+def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callable[[int, int], None] | None,
+                 fast: bool, events_only: bool) -> pd.DataFrame:
+    files = list(staged.paths)
     if events_only:
         files = [f.path for f in detect(files) if f.fmt == "events"]
         if not files:
             raise ReportError("--events-only: no kvdiag event files among the inputs")
+    # The cache is keyed by the inputs as given (a wrapped log's own path, size and mtime; an object's
+    # mirrored copy), so a hit needs no unwrapping; the files read are the staged ones.
+    key = sorted({staged.origin.get(f, f) for f in files})
+    version = TABLE_VERSION
     if cache_dir is not None:
-        cached = parquet.load_cached_table(files, cache_dir, TABLE_VERSION)
+        cached = parquet.load_cached_table(key, cache_dir, version)
         if cached is not None:
             return normalize_table(cached)
     fast_table = fast_turn_table(files, columns=TABLE_COLUMNS) if fast else None
@@ -370,8 +386,10 @@ def load_turn_table(paths: Sequence[str | Path], *, cache_dir: Path | None = Non
         df = normalize_table(fast_table)
     else:  # stock logs, or events only explain's correlator can join (report_fast says which)
         df = build_turn_table(load_turns(files, progress=progress))
+    if staged.renamed and len(df):
+        df["reason"] = [staged.display(r) for r in df["reason"]]
     if cache_dir is not None:
-        parquet.store_cached_table(df, files, cache_dir, TABLE_VERSION)
+        parquet.store_cached_table(df, key, cache_dir, version)
     return df
 
 
