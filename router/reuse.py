@@ -158,7 +158,8 @@ class ReuseGuard:
         if self.config.verify_tokens and observed is not None:
             trace = sequence_trace(prompt_ids if prompt_ids is not None else observed.prompt_ids, observed,
                                    d_params.get("remote_num_tokens"), bs)
-        return Coverage(view.kind, next_rungs(previous, decision, view, prompt_tokens), record, continuation, bs, trace)
+        return Coverage(view.kind, next_rungs(previous, decision, view, prompt_tokens), record, continuation, bs, trace,
+                        view.last_query if view.kind == CHAT else None)
 
 
 def reply_record(observed: Observed | None, body: Mapping[str, Any], kind: str) -> ReplyRecord:

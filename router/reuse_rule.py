@@ -138,6 +138,10 @@ class Rung:
     length: int
     digest: str            # truncated sha256 over the render context and that prefix
     tokens: int | None     # P's usage.prompt_tokens for that turn's prompt (None: not reported)
+    # ``tokens`` is D's whole sequence of that turn, proven when the next turn sent the reply back
+    # verbatim (no generation prompt at its end, so no margin applies)
+    exact: bool = False
+    query: bool = False    # the prefix ends with a user query (kept longest: fallback after a query moves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,10 +213,13 @@ class Coverage:
     continuation: tuple[int, str] | None = None  # completions: (bytes, sha256) of prompt + generated text
     block_size: int | None = None          # D's block size when known at store time
     tokens: TokenTrace | None = None       # --verify-tokens: D's sequence
+    last_query: int | None = None          # chat: index of the last user query in the handle's own prompt
 
     def lengths(self) -> list[int]:
         """The prefix lengths a new prompt must be digested at to match the rungs."""
         out = [r.length for r in self.rungs]
+        if self.kind == CHAT and self.rungs:
+            out.append(self.rungs[-1].length + 1)  # the reply's message: a verbatim reply becomes a rung
         if self.continuation is not None:
             out.append(self.continuation[0])
         return out
@@ -229,6 +236,8 @@ class PromptView:
     digests: Mapping[int, str]       # of the prefixes of the asked lengths (that exist)
     messages: Sequence[Any] = ()     # chat: the request's messages (not copied)
     first_reasoning: int | None = None  # chat: index of the first assistant message carrying reasoning
+    reasoning_at: tuple[int, ...] = ()  # chat: indexes of every assistant message carrying reasoning
+    last_query: int = -1                # chat: index of the last user query (-1: none)
 
     def matches(self, rung: Rung) -> bool:
         """True when the prompt starts with the prefix ``rung`` was made for."""
@@ -271,14 +280,18 @@ def prompt_view(body: Mapping[str, Any], lengths: Iterable[int] = ()) -> PromptV
         digests: dict[int, str] = {}
         if 0 in wanted:
             digests[0] = h.hexdigest()[:DIGEST_HEX]
-        first_reasoning = None
+        reasoning_at: list[int] = []
+        last_query = -1
         for i, message in enumerate(messages, start=1):
             _feed_message(h, message)
-            if first_reasoning is None and _carries_reasoning(message):
-                first_reasoning = i - 1
+            if _carries_reasoning(message):
+                reasoning_at.append(i - 1)
+            elif is_user_query(message):
+                last_query = i - 1
             if i in wanted:
                 digests[i] = h.hexdigest()[:DIGEST_HEX]
-        return PromptView(CHAT, len(messages), h.hexdigest()[:DIGEST_HEX], digests, messages, first_reasoning)
+        return PromptView(CHAT, len(messages), h.hexdigest()[:DIGEST_HEX], digests, messages,
+                          reasoning_at[0] if reasoning_at else None, tuple(reasoning_at), last_query)
     data = str(body["prompt"]).encode("utf-8", "surrogatepass")
     h = hashlib.sha256(render_context(body, COMPLETION))
     digests = {}
@@ -334,6 +347,36 @@ def _carries_reasoning(message: Any) -> bool:
     if any(message.get(key) for key in REASONING_KEYS):
         return True
     return has_think_tag(message.get("content"))
+
+
+def is_user_query(message: Any) -> bool:
+    """True for a user message that templates count as the query (not a tool result wrapped as user)."""
+    if not isinstance(message, dict) or message.get("role") != "user":
+        return False
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    if not isinstance(content, str):
+        return True
+    return not (content.startswith("<tool_response>") and content.endswith("</tool_response>"))
+
+
+def trusted_length(coverage: Coverage, view: PromptView) -> int:
+    """How many leading messages of the prompt render as they did in the handle's own prompt.
+
+    Reasoning-model templates (Qwen3, GLM, gpt-oss) keep an assistant message's reasoning only when
+    it comes after the last user query. An assistant message carrying reasoning therefore renders
+    differently once the last query moves past it (or back before it); messages without reasoning
+    render alike on both sides. Without the handle's last query (an older handle), every message
+    carrying reasoning is distrusted.
+    """
+    if coverage.last_query is None:
+        return view.first_reasoning if view.first_reasoning is not None else view.length
+    lo, hi = sorted((coverage.last_query, view.last_query))
+    for m in view.reasoning_at:
+        if lo < m < hi:
+            return m
+    return view.length
 
 
 def has_think_tag(content: Any) -> bool:
@@ -424,7 +467,7 @@ def decide(coverage: Coverage | None, view: PromptView | None, *, handle_tokens:
         return Decision(Reuse.NONE, 0, TrimReason.HISTORY_EDITED,
                         "the prompt does not start with any earlier turn's prompt")
     newest = len(rungs) - 1
-    trusted = view.first_reasoning if view.first_reasoning is not None else view.length
+    trusted = trusted_length(coverage, view)
     if matched == newest:
         reasons = _reply_reasons(coverage, view)
         if not reasons and rungs[newest].length <= trusted and handle_tokens > 0:
@@ -447,6 +490,8 @@ def decide(coverage: Coverage | None, view: PromptView | None, *, handle_tokens:
                         detail + "; D's block size is unknown, so the handle cannot be cut", index, matched)
     tokens = rungs[index].tokens
     assert tokens is not None
+    if rungs[index].exact:
+        margin = 0  # a verbatim reply's end: D's own sequence, no generation prompt after it
     limit = min(max(tokens - margin, 0), handle_tokens) // block_size * block_size
     if limit < block_size:
         return Decision(Reuse.NONE, 0, reason, detail + f"; fewer than one block ({block_size} tokens) proven",
@@ -487,13 +532,51 @@ def _verbatim(message: Mapping[str, Any], reply: ReplyRecord) -> bool:
 
 def next_rungs(coverage: Coverage | None, decision: Decision | None, view: PromptView,
                prompt_tokens: int | None, max_rungs: int = MAX_RUNGS) -> tuple[Rung, ...]:
-    """The ladder stored with this turn's handle: the earlier boundaries this prompt reproduced, then its own."""
+    """The ladder stored with this turn's handle: the earlier boundaries this prompt reproduced, then its own.
+
+    An earlier boundary is kept only where this prompt renders as the handle's prompt did (so it
+    also holds for the sequence D computes now). A reply the client sent back verbatim becomes a
+    boundary of its own, at the end of D's previous sequence.
+    """
     kept: list[Rung] = []
     if coverage is not None and decision is not None and decision.matched >= 0 and coverage.kind == view.kind:
-        kept = [r for r in coverage.rungs[:decision.matched + 1] if r.length < view.length]
+        trusted = trusted_length(coverage, view) if view.kind == CHAT else view.length
+        kept = [r for r in coverage.rungs[:decision.matched + 1] if r.length < view.length and r.length <= trusted]
+        if decision.reuse is Reuse.FULL and decision.matched == len(coverage.rungs) - 1:
+            reply = _reply_rung(coverage, view, decision.limit_tokens)
+            if reply is not None and reply.length < view.length and reply.length <= trusted:
+                kept.append(reply)
     tokens = prompt_tokens if isinstance(prompt_tokens, int) and prompt_tokens > 0 else None
-    kept.append(Rung(view.length, view.digest, tokens))
-    return tuple(kept[-max_rungs:])
+    query = view.kind == CHAT and view.length > 0 and view.last_query == view.length - 1
+    return (*_retain(kept, max_rungs - 1), Rung(view.length, view.digest, tokens, query=query))
+
+
+def _reply_rung(coverage: Coverage, view: PromptView, handle_tokens: int) -> Rung | None:
+    if handle_tokens <= 0:
+        return None
+    if coverage.kind == COMPLETION:
+        if coverage.continuation is None:
+            return None
+        return Rung(coverage.continuation[0], coverage.continuation[1], handle_tokens, exact=True)
+    length = coverage.rungs[-1].length + 1
+    found = view.digests.get(length)
+    return Rung(length, found, handle_tokens, exact=True) if found is not None else None
+
+
+def _retain(rungs: list[Rung], slots: int) -> list[Rung]:
+    """At most ``slots`` rungs: the newest half, then the older ones ending at a user query, newest first.
+
+    A query boundary is where reuse falls back when a later user query changes how reasoning in
+    the history renders, so those outlive the rest.
+    """
+    if slots <= 0:
+        return []
+    if len(rungs) <= slots:
+        return rungs
+    recent = max(slots // 2, 1)
+    older, newest = rungs[:-recent], rungs[-recent:]
+    ranked = [r for r in reversed(older) if r.query] + [r for r in reversed(older) if not r.query]
+    return sorted(ranked[:slots - recent], key=lambda r: r.length) + newest
 
 
 # ---------------------------------------------------------------------------------------------- the handle

@@ -41,7 +41,10 @@ from kvdiag.router.reuse_rule import (
 )
 
 EvictionCallback = Callable[[str, int], None]  # (reason "capacity" | "ttl", count)
-HANDLE_FORMAT: Final = 2  # v1 (no "v"): params and a prompt digest only; read as a handle without coverage
+# v1 (no "v"): params and a prompt digest only, read as a handle without coverage (never injected);
+# v2: coverage without rung flags and last query; v3: with them. An older router reads v3 as unknown.
+HANDLE_FORMAT: Final = 3
+_READABLE_FORMATS: Final = (2, 3)
 MAX_TRACE_BYTES: Final = MAX_CHECKPOINTS * 8
 
 
@@ -70,7 +73,7 @@ class Handle:
         """Parse a stored handle; raise StoreError when it is not one."""
         try:
             obj = json.loads(raw)
-            coverage = coverage_from_obj(obj.get("coverage")) if obj.get("v") == HANDLE_FORMAT else None
+            coverage = coverage_from_obj(obj.get("coverage")) if obj.get("v") in _READABLE_FORMATS else None
             return cls(params=dict(obj["params"]), stored_at=float(obj["stored_at"]), turn=int(obj["turn"]),
                        request_id=str(obj["request_id"]), coverage=coverage)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -88,18 +91,19 @@ def coverage_to_obj(c: Coverage | None) -> Any:
                                     r.finish_reason, r.stop_reason, r.stop_reason_seen, r.completion_tokens, r.choices]
     tokens = None if c.tokens is None else [c.tokens.step, c.tokens.count,
                                             base64.b64encode(c.tokens.checkpoints).decode()]
-    return [c.kind, [[g.length, g.digest, g.tokens] for g in c.rungs], reply,
-            list(c.continuation) if c.continuation else None, c.block_size, tokens]
+    return [c.kind, [[g.length, g.digest, g.tokens, int(g.exact) | int(g.query) << 1] for g in c.rungs], reply,
+            list(c.continuation) if c.continuation else None, c.block_size, tokens, c.last_query]
 
 
 def coverage_from_obj(obj: Any) -> Coverage | None:
     """Inverse of :func:`coverage_to_obj`; raises ValueError/TypeError/KeyError on anything else."""
     if obj is None:
         return None
-    kind, rungs, reply, cont, block_size, tokens = obj
-    if kind not in (CHAT, COMPLETION) or not isinstance(rungs, list) or len(rungs) > MAX_RUNGS:
+    kind, rungs, reply, cont, block_size, tokens, *rest = obj
+    if kind not in (CHAT, COMPLETION) or not isinstance(rungs, list) or len(rungs) > MAX_RUNGS or len(rest) > 1:
         raise ValueError("coverage has an unknown kind or too many rungs")
-    ladder = tuple(Rung(_int(n), str(d), None if t is None else _int(t)) for n, d, t in rungs)
+    ladder = tuple(_rung(*r) for r in rungs)
+    last_query = rest[0] if rest else None
     record = None
     if reply is not None:
         sha, size, parts, options, finish, stop, stop_seen, completion, choices = reply
@@ -114,7 +118,14 @@ def coverage_from_obj(obj: Any) -> Coverage | None:
             raise ValueError("token trace too long or not whole checkpoints")
         trace = TokenTrace(_int(step), _int(count), data)
     return Coverage(kind, ladder, record, (_int(cont[0]), str(cont[1])) if cont else None,
-                    None if block_size is None else _int(block_size), trace)
+                    None if block_size is None else _int(block_size), trace,
+                    None if last_query is None else _int(last_query))
+
+
+def _rung(length: Any, digest: Any, tokens: Any, flags: Any = 0) -> Rung:
+    # Format 2 stored three fields; format 3 adds the flags (1: exact, 2: query).
+    bits = _int(flags)
+    return Rung(_int(length), str(digest), None if tokens is None else _int(tokens), bool(bits & 1), bool(bits & 2))
 
 
 def _int(value: Any) -> int:

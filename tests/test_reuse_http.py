@@ -276,13 +276,14 @@ async def test_edited_history_falls_back_to_the_turn_before_the_edit(bed: Bed, s
     m2 = [*m1, _sent_back(a1), {"role": "user", "content": "Second question, quite long as well. " * 3}]
     bed.stub.reply = Reply("Two.")
     a2 = await bed.chat(m2, "h1", stream)
-    # Turn 3 edits turn 2's question: only turn 1's prompt is still reproduced.
+    # Turn 3 edits turn 2's question: turn 1's prompt and its reply (sent back verbatim on turn 2, so
+    # a boundary at the end of D's turn-1 sequence) are still reproduced.
     m3 = [*m1, _sent_back(a1), {"role": "user", "content": "Edited second question."}, _sent_back(a2),
           {"role": "user", "content": "third"}]
     await bed.chat(m3, "h1", stream)
     seen = bed.stub.last_prefill
-    handle2 = len(list(bed.stub.sequences.values())[1])
-    limit = _expected_trim(_turn1_prompt_tokens(bed, m1), handle2)
+    limit = _turn1_handle_tokens(bed) // BLOCK * BLOCK
+    assert limit > _expected_trim(_turn1_prompt_tokens(bed, m1), limit)
     assert seen.params["remote_num_tokens"] == limit and seen.wrong_kv_tokens == 0
     assert (await bed.event(3))["trim_reason"] == "history_edited"
     # Turn 4 edits the first message: nothing is reproduced, no handle, and the reference proxy's line.
@@ -295,20 +296,38 @@ async def test_edited_history_falls_back_to_the_turn_before_the_edit(bed: Bed, s
 
 
 async def test_reasoning_sent_back_in_history_stops_reuse_before_it(bed: Bed) -> None:
-    # The client sends the reasoning back; Qwen3's template renders it only while no later user
-    # message exists, so the boundary after that message is not trusted.
+    # The client sends the reasoning back. Qwen3's template renders it while no later user query
+    # exists (a tool loop) and drops it once one arrives, so a boundary past that message is trusted
+    # within the loop and not after the next user query.
+    call = {"id": "call-1", "type": "function", "function": {"name": "lookup", "arguments": '{"q":"kv"}'}}
+    bed.stub.reply = Reply("Looking.", reasoning="need data", tool_calls=[call])
+    m1 = [{"role": "user", "content": QUESTION}]
+    a1 = await bed.chat(m1, "hr", True, tools=TOOLS)
+    m2 = [*m1, {**_sent_back(a1), "reasoning_content": a1["reasoning"]},
+          {"role": "tool", "tool_call_id": "call-1", "content": "Result. " * 20}]
+    bed.stub.reply = Reply("Done.")
+    a2 = await bed.chat(m2, "hr", True, tools=TOOLS)
+    await bed.chat([*m2, _sent_back(a2), {"role": "user", "content": "third"}], "hr", True, tools=TOOLS)
+    seen = bed.stub.last_prefill
+    limit = _expected_trim(_turn1_prompt_tokens(bed, m1, tools=TOOLS), len(list(bed.stub.sequences.values())[1]))
+    assert seen.params["remote_num_tokens"] == limit and seen.wrong_kv_tokens == 0
+    assert (await bed.event(3))["trim_reason"] == "history_reasoning"
+
+
+async def test_reasoning_sent_back_before_the_last_query_renders_alike(bed: Bed) -> None:
+    # Reasoning sent back for a message that was already before the last query in D's prompt:
+    # both prompts render it without the trace, so the verbatim reply that follows is reused in full.
     bed.stub.reply = Reply("One.", reasoning="because")
     m1 = [{"role": "user", "content": QUESTION}]
-    a1 = await bed.chat(m1, "hr", True)
+    a1 = await bed.chat(m1, "hq", True)
     m2 = [*m1, {"role": "assistant", "content": a1["content"], "reasoning_content": a1["reasoning"]},
           {"role": "user", "content": "Second question. " * 5}]
     bed.stub.reply = Reply("Two.")
-    a2 = await bed.chat(m2, "hr", True)
-    await bed.chat([*m2, _sent_back(a2), {"role": "user", "content": "third"}], "hr", True)
+    a2 = await bed.chat(m2, "hq", True)
+    await bed.chat([*m2, _sent_back(a2), {"role": "user", "content": "third"}], "hq", True)
     seen = bed.stub.last_prefill
-    limit = _expected_trim(_turn1_prompt_tokens(bed, m1), len(list(bed.stub.sequences.values())[1]))
-    assert seen.params["remote_num_tokens"] == limit and seen.wrong_kv_tokens == 0
-    assert (await bed.event(3))["trim_reason"] == "history_reasoning"
+    assert seen.params["remote_num_tokens"] == len(list(bed.stub.sequences.values())[1])
+    assert seen.wrong_kv_tokens == 0 and "trim_reason" not in await bed.event(3)
 
 
 async def test_changed_tools_change_the_prompt_from_its_start(bed: Bed) -> None:
@@ -401,3 +420,15 @@ async def test_negative_control_regenerate_with_the_full_handle_reads_d_s_last_b
         await bed.chat(m1, "n1", True)
         await bed.chat(m1, "n1", True)
         assert bed.stub.last_prefill.wrong_kv_tokens > 0  # end-trim: P's first blocks got D's later ones
+
+
+async def test_reasoning_test_catches_a_rule_that_trusts_every_rendering(bed: Bed,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Negative control: trusting the boundary past a message whose reasoning the template now drops
+    # lets P load wrong KV, which the test above would see.
+    from kvdiag.router import reuse_rule
+
+    monkeypatch.setattr(reuse_rule, "trusted_length", lambda coverage, view: view.length)
+    with pytest.raises(AssertionError):
+        await test_reasoning_sent_back_in_history_stops_reuse_before_it(bed)
+    assert bed.stub.last_prefill.wrong_kv_tokens > 0

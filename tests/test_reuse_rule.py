@@ -372,5 +372,7 @@ def test_property_plain_verbatim_conversations_are_reused_in_full() -> None:
                                   d_params=d_params)
         handle = Handle(d_params, 0.0, n + 1, "r", coverage)
         messages = [*messages, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "more"}]
-    assert handle is not None and handle.coverage is not None and len(handle.coverage.rungs) == 5
+    # Five turn boundaries, and each verbatim reply (turns 1-4) a boundary at the end of D's sequence.
+    assert handle is not None and handle.coverage is not None and len(handle.coverage.rungs) == 9
+    assert [r.exact for r in handle.coverage.rungs] == [False, True] * 4 + [False]
     assert json.dumps(handle.params)  # still plain JSON
