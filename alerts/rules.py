@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvdiag.dashboards.config import ELIGIBLE_OUTCOMES_RE, MixinConfig
-from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, Verdict
+from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, FIXABLE_TRIM_REASONS, Verdict
 
 Severity = Literal["critical", "warning", "info"]
 
@@ -155,6 +155,26 @@ def transfer_slower_than_recompute(c: MixinConfig) -> AlertRule:
     )
 
 
+FIXABLE_TRIM_REASONS_RE = "|".join(sorted(r.value for r in FIXABLE_TRIM_REASONS))
+
+
+def handles_mostly_trimmed(c: MixinConfig) -> AlertRule:
+    """Most stored handles are cut for a reason a client or template setting could remove."""
+    decisions = _rate(c, "kvdiag_reuse_decisions_total", "job, model")
+    cut = _rate(c, "kvdiag_reuse_trimmed_turns_total", "job, model, reason", f'reason=~"{FIXABLE_TRIM_REASONS_RE}"')
+    return AlertRule(
+        "KVDiagHandlesMostlyTrimmed", "kvdiag-reuse",
+        f"({cut} / on (job, model) group_left () {decisions}) > {c.trimmed_share_warning} "
+        f"and on (job, model) {decisions} > {c.min_eligible_turn_rate}",
+        c.for_ratio, "warning",
+        "Most KV handles for model {{ $labels.model }} are cut: {{ $labels.reason }}.",
+        "{{ $value | humanizePercentage }} of the turns that found a stored handle for model {{ $labels.model }} "
+        "(job {{ $labels.job }}) had it cut or dropped for reason {{ $labels.reason }} over the last "
+        f"{c.rate_window} (threshold {c.trimmed_share_warning:.0%}): P recomputes D's reply tokens the "
+        "prompt does not reproduce. The runbook names the client or template change for each reason.",
+    )
+
+
 def router_store_near_capacity(c: MixinConfig) -> AlertRule:
     """The router's handle store is nearly full: LRU eviction will drop live conversations."""
     traffic = _rate(c, "kvdiag_turns_total", "job, instance")
@@ -179,6 +199,7 @@ ALERTS = (
     router_ttl_not_below_decode_ttl,
     transfer_failure_ratio_high,
     transfer_slower_than_recompute,
+    handles_mostly_trimmed,
     router_store_near_capacity,
 )
 

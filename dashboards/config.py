@@ -50,6 +50,7 @@ class MixinConfig:
     missing_metadata_ratio_warning: float = 0.10
     transfer_failure_ratio_warning: float = 0.05
     store_fill_ratio_warning: float = 0.90
+    trimmed_share_warning: float = 0.50
     # P declines a D->P read whose blocks expire within this margin (vLLM pull_worker: 5 s).
     ttl_margin_seconds: float = 5.0
 
@@ -88,7 +89,9 @@ class MixinConfig:
 _EXAMPLES = {
     "router_selector": 'job="kvdiag-router"',
     "vllm_selector": 'job="vllm"',
-    "runbook_base_url": "https://github.com/kvdiag/kvdiag/blob/main/docs/runbooks.md",
+    # The committed rule file links the runbooks shipped in this repository (docs/runbooks.md);
+    # `kvdiag alerts export --runbook-base-url URL` points them at where you publish them.
+    "runbook_base_url": "docs/runbooks.md",
 }
 
 DEFAULT_CONFIG = MixinConfig(

@@ -78,6 +78,23 @@ def build(config: MixinConfig) -> dashboard.Dashboard:
             "For each verdict that did not reuse KV, its share of eligible turns. " + _ELIGIBLE,
             units.PercentUnit, [Target(q.miss_share_by_outcome(config), "{{outcome}}")], width=8,
             stacked=True))
+        .with_row(dashboard.Row("Partial reuse (what the prompt is proven to reproduce)"))
+        .with_panel(timeseries_panel(
+            "Handles cut, by reason (share of turns with a handle)",
+            "For each trim reason, the share of turns that found a stored handle and got it cut to the "
+            "tokens the prompt is proven to reproduce (or got none). reasoning_stripped, reasoning_hidden "
+            "and reply_absent are expected for reasoning models and regenerates; a large share of "
+            "tool_call_rerendered, reply_edited, history_reasoning, unverifiable or token_mismatch is a "
+            "client or template setup worth fixing (alert KVDiagHandlesMostlyTrimmed).",
+            units.PercentUnit, [Target(q.trimmed_share_by_reason(config), "{{reason}}")], width=12,
+            stacked=True))
+        .with_panel(timeseries_panel(
+            "Handle tokens read vs cut",
+            "Tokens of D's handles per second the router let P read (offered), and the tokens it cut by "
+            "reason: the reply tokens P recomputes because the next prompt does not reproduce them.",
+            units.Short,
+            [Target(q.offered_tokens_rate(config), "offered to P"),
+             Target(q.trimmed_tokens_by_reason(config), "cut: {{reason}}")], width=12))
         .with_row(dashboard.Row("Timing against the TTLs"))
         .with_panel(timeseries_panel(
             "Inter-turn gap vs decode TTL",

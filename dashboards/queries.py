@@ -81,6 +81,22 @@ def miss_share_by_outcome(c: MixinConfig) -> str:
             f"sum(rate(kvdiag_turns_total{eligible}[{RATE}]))")
 
 
+def trimmed_tokens_by_reason(c: MixinConfig) -> str:
+    """Tokens of D's handles per second the router did not let P read, by trim reason."""
+    return f"sum by (reason) (rate(kvdiag_reuse_trimmed_tokens_total{router(c)}[{RATE}]))"
+
+
+def offered_tokens_rate(c: MixinConfig) -> str:
+    """Tokens of D's handles per second the router let P read."""
+    return f"sum(rate(kvdiag_reuse_offered_tokens_total{router(c)}[{RATE}]))"
+
+
+def trimmed_share_by_reason(c: MixinConfig) -> str:
+    """Per trim reason, its share of the turns that found a stored handle."""
+    return (f"sum by (reason) (rate(kvdiag_reuse_trimmed_turns_total{router(c)}[{RATE}])) / on () group_left () "
+            f"sum(rate(kvdiag_reuse_decisions_total{router(c)}[{RATE}]))")
+
+
 def inter_turn_gap_quantile(c: MixinConfig, q: float) -> str:
     """Quantile of the gap between a turn's end and the conversation's next turn."""
     return quantile(q, f"kvdiag_inter_turn_gap_seconds_bucket{router(c)}")

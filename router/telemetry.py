@@ -175,6 +175,8 @@ class RouterTelemetry:
         if overhead is not None:
             self._labels("kvdiag_router_overhead_seconds", model=model).observe(overhead / 1000.0)
         if s.handle_tokens is not None:
+            decided = "full" if s.trim_reason is None else ("trimmed" if s.reuse_limit_tokens else "none")
+            self._labels("kvdiag_reuse_decisions", model=model, reuse=decided).inc()
             if s.reuse_limit_tokens:
                 self._labels("kvdiag_reuse_offered_tokens", model=model).inc(s.reuse_limit_tokens)
             if s.trim_reason is not None:

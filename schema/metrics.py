@@ -107,6 +107,9 @@ CATALOG: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("kvdiag_reuse_trimmed_turns", "counter",
                "Turns whose handle the router trimmed to the tokens the prompt is proven to reproduce, by why.",
                labels=("model", "reason"), label_values=(("reason", TRIM_REASONS),)),
+    MetricSpec("kvdiag_reuse_decisions", "counter",
+               "Turns that found a stored handle, by what the router injected: the full handle, a cut one, "
+               "or none.", labels=("model", "reuse"), label_values=(("reuse", ("full", "trimmed", "none")),)),
     MetricSpec("kvdiag_reuse_offered_tokens", "counter",
                "Tokens of D's handles the router let P read (after trimming).",
                unit="tokens", labels=("model",)),

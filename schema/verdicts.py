@@ -127,6 +127,9 @@ class TrimInfo:
     reason: TrimReason
     summary: str
     fix: str
+    # True when a deployment that trims most of its handles for this reason has a client, template or
+    # router setting worth changing (the alert KVDiagHandlesMostlyTrimmed watches these).
+    fixable: bool = True
 
 
 # A trimmed turn still reuses the tokens the router could prove (the previous prompt, or the last
@@ -137,11 +140,11 @@ TRIM_INFO: dict[TrimReason, TrimInfo] = {
         TrimInfo(TrimReason.REASONING_HIDDEN,
                  "The request hid the reasoning (include_reasoning: false), so the client cannot send "
                  "back the tokens D generated; reuse stops at the previous prompt.",
-                 "Expected with hidden reasoning; only the reply is recomputed."),
+                 "Expected with hidden reasoning; only the reply is recomputed.", fixable=False),
         TrimInfo(TrimReason.REASONING_STRIPPED,
                  "The reply carried reasoning (reasoning_content / reasoning deltas or <think> tags), "
                  "which chat templates drop from history; reuse stops at the previous prompt.",
-                 "Expected for reasoning models; only the reply is recomputed."),
+                 "Expected for reasoning models; only the reply is recomputed.", fixable=False),
         TrimInfo(TrimReason.TOOL_CALL_RERENDERED,
                  "The reply was a tool call, which the chat template re-renders from the structured "
                  "message (JSON spacing, key order, wrapper tokens); reuse stops at the previous prompt.",
@@ -152,7 +155,7 @@ TRIM_INFO: dict[TrimReason, TrimInfo] = {
         TrimInfo(TrimReason.REPLY_ABSENT,
                  "The prompt does not carry the previous reply (a regenerate or a branch from the "
                  "previous prompt); reuse stops at the previous prompt.",
-                 "Nothing to fix."),
+                 "Nothing to fix.", fixable=False),
         TrimInfo(TrimReason.HISTORY_EDITED,
                  "An earlier message changed (edit, compaction); reuse stops at the last turn "
                  "boundary before the change.",
@@ -171,6 +174,9 @@ TRIM_INFO: dict[TrimReason, TrimInfo] = {
                  "Check the chat template and the client's history rendering."),
     )
 }
+
+
+FIXABLE_TRIM_REASONS: frozenset[TrimReason] = frozenset(r for r, i in TRIM_INFO.items() if i.fixable)
 
 
 def parse_verdict(value: str) -> Verdict:

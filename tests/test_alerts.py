@@ -104,7 +104,7 @@ def test_issue_alerts_are_all_present() -> None:
     assert {r.name for r in RULES} == {
         "KVDiagExpiredRemoteReadRatioHigh", "KVDiagMissingMetadataRatioHigh", "KVDiagBidirectionalReuseOff",
         "KVDiagRouterTTLNotBelowDecodeTTL", "KVDiagTransferFailureRatioHigh",
-        "KVDiagTransferSlowerThanRecompute", "KVDiagRouterStoreNearCapacity"}
+        "KVDiagTransferSlowerThanRecompute", "KVDiagRouterStoreNearCapacity", "KVDiagHandlesMostlyTrimmed"}
     assert all(n.startswith("kvdiag_") for n in all_exposed_names())
 
 

@@ -100,6 +100,7 @@ def _scripted_exposition() -> str:
     m.labels("kvdiag_reuse_trimmed_tokens", model="Qwen/Qwen3-32B", reason="reasoning_stripped").inc(412)
     m.labels("kvdiag_reuse_trimmed_turns", model="Qwen/Qwen3-32B", reason="reasoning_stripped").inc()
     m.labels("kvdiag_reuse_offered_tokens", model="Qwen/Qwen3-32B").inc(1504)
+    m.labels("kvdiag_reuse_decisions", model="Qwen/Qwen3-32B", reuse="trimmed").inc()
     m.gauge("kvdiag_in_flight_turns").set(0)
     m.gauge("kvdiag_store_entries").set(3)
     m.gauge("kvdiag_store_capacity").set(100000)
