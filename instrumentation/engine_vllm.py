@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import prometheus_client
 from aiohttp import web
@@ -67,6 +67,7 @@ class Options:
     pull_matching_prefix: bool = True     # the connector's exact mode (kvdiag_pull_matching_prefix)
     prefix_digest: bool = True            # D returns kvdiag_digest (kvdiag_digest)
     seed: int = 0
+    log_stats_interval: float | None = None   # seconds between stat lines; None: VLLM_LOG_STATS_INTERVAL (10)
 
 
 @dataclass
@@ -112,6 +113,8 @@ class VllmBackend:
         self._wake = asyncio.Event()
         self._closed = False
         self.metrics = _Metrics(self.engine)
+        self.stat_log = _StatLog(self.engine)
+        self.engine.on_stats = self.stat_log.record
 
     @property
     def engine_id(self) -> str:
@@ -152,9 +155,78 @@ class VllmBackend:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.05)
 
+    async def log_stats(self) -> None:
+        """The API server's ``_force_log`` loop: vLLM's stat lines every interval."""
+        interval = self.stat_log.interval(self.opts.log_stats_interval)
+        while not self._closed:
+            await asyncio.sleep(interval)
+            try:
+                self.stat_log.log()
+            except Exception:  # a stats bug must not stop the server
+                _logger.exception("stat logging failed")
+
     def close(self) -> None:
         self._closed = True
         self.engine.shutdown()
+
+
+class _StatLog:
+    """vLLM 0.33's ``LoggingStatLogger``, fed as AsyncLLM's output handler feeds it.
+
+    Every engine step hands over the scheduler's ``SchedulerStats`` (with the connector's stats) and
+    the step's outputs, which become an ``IterationStats`` through vLLM's own ``update_from_output``
+    (prompt tokens computed, generation tokens). ``log()`` writes the ``Engine 000: …`` line and NIXL's
+    ``KV Transfer metrics: …`` line exactly as ``vllm serve`` does, as the API server process.
+    """
+
+    _API_LOGGERS: Final = ("vllm.v1.metrics.loggers", "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+                           "vllm.entrypoints.generate.base.serving")
+    MAX_TRACKED: Final = 65536
+
+    def __init__(self, engine: Any) -> None:
+        from vllm.v1.metrics.loggers import LoggingStatLogger  # noqa: PLC0415 (see VllmBackend.__init__)
+        from vllm.v1.metrics.stats import LoRARequestStates  # noqa: PLC0415
+
+        self.logger = LoggingStatLogger(engine.vllm_config, 0)
+        self.lora = LoRARequestStates(log_stats=True)
+        self.requests: dict[str, Any] = {}  # request id -> RequestStateStats, until it finishes
+        for name in self._API_LOGGERS:
+            logging.getLogger(name).addFilter(_as_api_server)
+
+    @staticmethod
+    def interval(option: float | None) -> float:
+        """The option, else vLLM's ``VLLM_LOG_STATS_INTERVAL`` (10 s; non-positive values mean 10)."""
+        if option is not None and option > 0:
+            return float(option)
+        import vllm.envs as envs  # noqa: PLC0415
+
+        return float(envs.VLLM_LOG_STATS_INTERVAL)
+
+    def record(self, stats: Any, outputs: list[Any], timestamp: float) -> None:
+        from vllm.v1.metrics.stats import IterationStats, RequestStateStats  # noqa: PLC0415
+
+        iteration = IterationStats() if outputs else None
+        for out in outputs:
+            assert iteration is not None
+            req = self.requests.get(out.request_id)
+            prefilling = req is None
+            if req is None:
+                if len(self.requests) >= self.MAX_TRACKED:
+                    del self.requests[next(iter(self.requests))]
+                req = self.requests[out.request_id] = RequestStateStats(arrival_time=time.time())
+            iteration.update_from_output(out, timestamp, prefilling, req, self.lora, None)
+            if out.finish_reason is not None:
+                self.requests.pop(out.request_id, None)
+        self.logger.record(scheduler_stats=stats, iteration_stats=iteration)
+
+    def log(self) -> None:
+        self.logger.log()
+
+
+def _as_api_server(record: logging.LogRecord) -> bool:
+    """vLLM writes its stat and serving lines in the API server process: name them so here."""
+    record.vllm_process_name = "APIServer"
+    return True
 
 
 class _Metrics:
@@ -270,12 +342,21 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
     tokens: list[int] = []
+    first = True
     while True:
         out = await pending.queue.get()
         if out is None:
             return _error("Internal server error: engine step failed", 500, "InternalServerError")
+        if resp is not None and first and kind == "chat":  # vLLM's first chat chunk: the role
+            await _sse(resp, {"id": external, "object": "chat.completion.chunk", "created": int(time.time()),
+                              "model": backend.opts.model, "choices": [
+                                  {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}]})
+        first = False
         tokens.extend(out.new_token_ids)
         finish = str(out.finish_reason) if out.finish_reason is not None else None
+        if finish == "error":
+            return await _generation_error(request, resp, external)
         if resp is not None and out.new_token_ids and finish is None:
             delta = "".join(token_text(t) for t in out.new_token_ids)
             await _sse(resp, {"id": external, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -297,6 +378,28 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
              "kv_transfer_params": out_params}  # vLLM PR #40186: the final chunk carries the params
     with contextlib.suppress(ConnectionError):
         await _sse(resp, final)
+        await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def _generation_error(request: web.Request, resp: web.StreamResponse | None, external: str
+                            ) -> web.StreamResponse:
+    """vLLM's serving layer on ``finish_reason`` error (a KV load failure under policy ``fail``): its own
+    ``_raise_if_error`` logs the request and raises GenerationError, answered with vLLM's error object:
+    HTTP 500 for a full response; in a stream (already 200) the object as the next chunk, then ``[DONE]``."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing  # noqa: PLC0415
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response  # noqa: PLC0415
+    from vllm.exceptions import GenerationError  # noqa: PLC0415
+
+    try:
+        GenerateBaseServing._raise_if_error(None, "error", external)  # type: ignore[arg-type]
+        raise GenerationError("Internal server error")  # not reached: the line above raises
+    except GenerationError as exc:
+        error = create_error_response(exc)
+    if resp is None:
+        return web.json_response(error.model_dump(), status=int(error.error.code))
+    with contextlib.suppress(ConnectionError):
+        await resp.write(b"data: " + error.model_dump_json().encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
     return resp
 
@@ -371,12 +474,13 @@ async def serve(opts: Options) -> None:
     if opts.ready_file:
         write_ready_file(opts.ready_file, {"port": port, "side_channel_port": backend.engine.side_channel_port,
                                            "engine_id": backend.engine_id})
-    task = asyncio.create_task(backend.run())
+    tasks = [asyncio.create_task(backend.run()), asyncio.create_task(backend.log_stats())]
     await wait_for_stop_signal()
     backend.close()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await runner.cleanup()
 
 
@@ -404,7 +508,8 @@ def options_from_sim(role: str, opts: dict[str, Any]) -> Options:
                    events_file=opts.get("events_file"), log_file=opts.get("log_file"),
                    log_level=str(opts.get("log_level", "INFO")).upper(), ready_file=opts.get("ready_file"),
                    pull_matching_prefix=bool(opts.get("pull_matching_prefix", True)),
-                   prefix_digest=bool(opts.get("prefix_digest", True)))
+                   prefix_digest=bool(opts.get("prefix_digest", True)),
+                   log_stats_interval=opts.get("log_stats_interval"))
 
 
 def run(opts: Options) -> None:
@@ -439,6 +544,8 @@ def parse_args(argv: list[str]) -> Options:
                    help="exact mode: P reads only the prefix D's block-hash digest proves equal to its prompt")
     p.add_argument("--prefix-digest", action=argparse.BooleanOptionalAction, default=True,
                    help="D returns kvdiag_digest, its sequence's block hashes")
+    p.add_argument("--log-stats-interval", type=float, default=None,
+                   help="seconds between vLLM's stat lines (default: VLLM_LOG_STATS_INTERVAL, else 10)")
     a = p.parse_args(argv)
     return Options(role=a.role, host=a.host, port=a.port, side_channel_port=a.side_channel_port, model=a.model,
                    engine_id=a.engine_id, bidirectional=not a.no_bidirectional,
@@ -446,7 +553,8 @@ def parse_args(argv: list[str]) -> Options:
                    kv_lease_duration=a.kv_lease_duration, prefix_caching=not a.no_prefix_caching,
                    kv_load_failure_policy=a.kv_load_failure_policy, num_blocks=a.num_blocks,
                    events_file=a.events_file, log_file=a.log_file, log_level=a.log_level, ready_file=a.ready_file,
-                   pull_matching_prefix=a.pull_matching_prefix, prefix_digest=a.prefix_digest)
+                   pull_matching_prefix=a.pull_matching_prefix, prefix_digest=a.prefix_digest,
+                   log_stats_interval=a.log_stats_interval)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,9 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import logging
 import os
 import random
 import socket
@@ -187,6 +189,7 @@ class Engine:
         self.kv_cache_config = make_kv_cache_config(num_blocks)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.vllm_config.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves on CPU
+        log_engine_config(self.vllm_config)
         init_none_hash(_hash_fn(self.vllm_config))
         self.block_hasher = get_request_block_hasher(BLOCK_SIZE, _hash_fn(self.vllm_config), 0)
         with set_current_vllm_config(self.vllm_config):
@@ -205,6 +208,8 @@ class Engine:
         # The sampler stand-in: a planned reply per request (else a running counter).
         self.reply_plans: dict[str, list[int]] = {}
         self.on_output: Any = None   # called with each EngineCoreOutput (the API server's hook)
+        # called once per step with (SchedulerStats | None, [EngineCoreOutput], timestamp): the stat loggers' feed
+        self.on_stats: Any = None
         self._next_token = 1000 + 100 * writer_tag
         self._chains: dict[str, list[bytes]] = {}   # request id -> prefix hash per position (fill_slots)
         # With record_reads, each D->P read vLLM posts: {"local": P's blocks, "remote": D's block ids,
@@ -272,6 +277,9 @@ class Engine:
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
         outputs = self.scheduler.update_from_output(so, mro)
+        if self.on_stats is not None:
+            stats = next((eco.scheduler_stats for eco in outputs.values() if eco.scheduler_stats is not None), None)
+            self.on_stats(stats, [out for eco in outputs.values() for out in eco.outputs], time.monotonic())
         for eco in outputs.values():
             for out in eco.outputs:
                 if out.finish_reason is not None:
@@ -397,6 +405,29 @@ def fill_slots(token_ids: Any, start: int, n: int, writer_tag: int, chain: list[
     rows[:, 2, HEAD_SIZE:] = 0.0
     rows[:, PREFIX_HEADS.start:, HEAD_SIZE:] = table[:, 4:, None]
     return rows
+
+
+def _source_line(module: Any, text: str) -> int:
+    """The line of ``module``'s source whose logging call writes ``text`` (the call's first line)."""
+    lines = inspect.getsource(module).splitlines()
+    at = next(i for i, line in enumerate(lines) if text in line)
+    return next(i for i in range(at, -1, -1) if "logger." in lines[i]) + 1
+
+
+def log_engine_config(vllm_config: VllmConfig) -> None:
+    """EngineCore's startup line (``Initializing a V1 LLM engine (v…) with config: …``), as its own file and
+    line: vLLM's formatter, the config's own ``__str__``."""
+    import vllm.v1.engine.core as core  # noqa: PLC0415 - heavy; only here
+    from vllm import __version__  # noqa: PLC0415
+
+    log = logging.getLogger(core.__name__)
+    if not log.isEnabledFor(logging.INFO):
+        return
+    record = log.makeRecord(log.name, logging.INFO, str(core.__file__),
+                            _source_line(core, "Initializing a V1 LLM engine (v%s) with config: %s"),
+                            "Initializing a V1 LLM engine (v%s) with config: %s", (__version__, vllm_config), None,
+                            func="__init__")
+    log.handle(record)
 
 
 def _hash_fn(vllm_config: VllmConfig) -> Any:

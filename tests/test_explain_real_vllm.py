@@ -9,8 +9,11 @@ conversation_id and one with the long gap, three turns each.
 
 explain must return the router's recorded outcome for every turn from (a) every file (confirmed),
 (b) only the stock files with P at DEBUG, (c) only the stock files with P's DEBUG lines dropped
-(P at INFO): there ``remote_hit`` is ``unknown`` (docs/verdicts.md: INFO logs nothing for a
-successful read) and ``no_conversation_id`` is ``inferred``. A second, smaller testbed runs D with
+(P at INFO): there ``remote_hit`` is ``inferred`` from P's stats windows or the client's counts, or
+``unknown`` where they cannot separate the reads (docs/verdicts.md: INFO logs nothing per request for a
+successful read), and ``no_conversation_id`` is ``inferred``. tests/test_real_vllm_info.py is the INFO
+run with short stats windows. A declined read is vLLM 0.33's HTTP 500 to the router, which retries P
+without the handle. A second, smaller testbed runs D with
 bidirectional_kv_xfer off (metadata_not_returned, bidirectional_off_on_decode).
 """
 
@@ -223,9 +226,11 @@ def test_explain_stock_files_only(run_dir: Path, p_debug: bool) -> None:
         for turn, verdict in zip(doc[conv]["turns"], want, strict=True):
             key = (conv, turn["turn"])
             if verdict == "remote_hit" and not p_debug:
-                # INFO logs nothing for a successful read: unknown, naming the fix
-                assert (turn["verdict"], turn["confidence"]) == ("unknown", "inferred"), turn
-                assert "DEBUG" in turn["reason"], turn
+                # INFO logs nothing per request for a successful read: P's stats windows (10 s, shared by the four
+                # conversations) or the client's counts decide it (inferred), else unknown naming the fix
+                assert turn["confidence"] == "inferred", turn
+                assert turn["verdict"] == "remote_hit" or (
+                    turn["verdict"] == "unknown" and "DEBUG" in turn["reason"]), turn
                 continue
             assert turn["verdict"] == verdict, (key, turn["verdict"], turn["reason"])
             assert turn["confidence"] == STOCK_NOT_CONFIRMED.get(key, "confirmed"), (key, turn["reason"])
