@@ -366,7 +366,7 @@ class TurnFlow:
                     raise
                 _annotate_usage(leg, obj)
         if _finish_reason(obj) == "error":
-            # vLLM's KV load failure under policy "fail": HTTP 200, finish_reason "error", params null.
+            # A server that answers a KV load failure with HTTP 200, finish_reason "error" (vLLM 0.33 answers 500).
             raise LegError("prefill", "http_5xx", "P finished the prefill with an error (KV load failure?)",
                            status=200, payload=obj)
         return obj
@@ -379,8 +379,9 @@ class TurnFlow:
             state.report = report
             self._reporting_prefill.add(index)
         elif exc.kind == "http_5xx" and exc.status is not None and exc.status >= 500 \
-                and index in self._reporting_prefill:
-            # An instrumented P reports every KV failure; an HTTP error without a report is something else.
+                and index in self._reporting_prefill and not _generation_error(exc.payload):
+            # An instrumented P reports every KV failure it can; vLLM 0.33 answers a KV load failure with its
+            # GenerationError 500, which carries no params (so no report): that one is inferred below.
             state.verdict, state.reason = Verdict.REQUEST_FAILED, f"P failed the request: {exc}"
             return
         lookup = state.lookup
@@ -752,6 +753,13 @@ def _report_in(payload: dict[str, Any]) -> Any:
         if isinstance(holder, dict) and isinstance(holder.get(REPORT_KEY), dict):
             return holder[REPORT_KEY]
     return None
+
+
+def _generation_error(payload: dict[str, Any] | None) -> bool:
+    """vLLM's answer to a request that finished with finish_reason error (on P: a KV load failure)."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return isinstance(error, dict) and error.get("message") == "Internal server error" \
+        and error.get("type") == "InternalServerError"
 
 
 def _finish_reason(obj: dict[str, Any]) -> str | None:
