@@ -326,17 +326,18 @@ def correlate(index: LogIndex, only: str | None = None) -> list[Conversation]:
             if target is not None:
                 (target.released_handle if rec.kind == "releasing_expired" else target.stale_read).append(rec)
                 continue
+        attached: list[TurnFacts] = []  # a batch line ("Failing 2 request(s) … Request IDs: {…}") names several
         for rid in record_rids(rec):
             joined = by_rid.get(header_request_id(rid))
-            if joined is None:
+            if joined is None or any(joined is a for a in attached):
                 continue
+            attached.append(joined)
             if role == "prefill" or (role is None and _reads_from_decode(rec, joined)):
                 joined.p_records.append(rec)
             elif role == "decode":
                 joined.d_records.append(rec)
             else:
                 joined.other_records.append(rec)
-            break
     # 5. Order, restarts and concurrency.
     out: list[Conversation] = []
     for conv, turns in convs.items():
