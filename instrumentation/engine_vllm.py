@@ -68,6 +68,7 @@ class Options:
     prefix_digest: bool = True            # D returns kvdiag_digest (kvdiag_digest)
     seed: int = 0
     log_stats_interval: float | None = None   # seconds between stat lines; None: VLLM_LOG_STATS_INTERVAL (10)
+    connector: str = "kvdiag"             # "kvdiag": KVDiagNixlConnector; "nixl": vLLM's own NixlConnector
 
 
 @dataclass
@@ -100,13 +101,17 @@ class VllmBackend:
             extra["kv_recompute_threshold"] = opts.kv_recompute_threshold
         if opts.events_file:
             extra["kvdiag_events_file"] = opts.events_file
+        connector: dict[str, Any] = {}
+        if opts.connector == "nixl":  # stock vLLM: its NixlConnector, none of kvdiag's keys
+            extra = {k: v for k, v in extra.items() if not k.startswith("kvdiag_")}
+            connector["connector"] = "NixlConnector"
         # vLLM's NIXL compatibility hash covers the model path: P and D share one model directory.
         model_dir = write_model_dir(Path(tempfile.gettempdir()) / "kvdiag-vllm-cpu-model")
         self.engine = Engine("P" if opts.role == "prefill" else "D", model_dir, work_dir,
                              writer_tag=1 if opts.role == "prefill" else 2, num_blocks=opts.num_blocks, extra=extra,
                              prefix_caching=opts.prefix_caching, engine_id=opts.engine_id,
                              served_model_name=opts.model, side_channel_port=opts.side_channel_port or None,
-                             kv_load_failure_policy=opts.kv_load_failure_policy)
+                             kv_load_failure_policy=opts.kv_load_failure_policy, **connector)
         os.sched_setaffinity(0, affinity)  # vLLM's CPU platform pinned us to one core
         self.engine.on_output = self._on_output
         self.pending: dict[str, _Pending] = {}
@@ -544,6 +549,8 @@ def parse_args(argv: list[str]) -> Options:
                    help="exact mode: P reads only the prefix D's block-hash digest proves equal to its prompt")
     p.add_argument("--prefix-digest", action=argparse.BooleanOptionalAction, default=True,
                    help="D returns kvdiag_digest, its sequence's block hashes")
+    p.add_argument("--connector", choices=("kvdiag", "nixl"), default="kvdiag",
+                   help="kvdiag's instrumented connector, or vLLM's own NixlConnector (the stock side of a comparison)")
     p.add_argument("--log-stats-interval", type=float, default=None,
                    help="seconds between vLLM's stat lines (default: VLLM_LOG_STATS_INTERVAL, else 10)")
     a = p.parse_args(argv)
@@ -554,7 +561,7 @@ def parse_args(argv: list[str]) -> Options:
                    kv_load_failure_policy=a.kv_load_failure_policy, num_blocks=a.num_blocks,
                    events_file=a.events_file, log_file=a.log_file, log_level=a.log_level, ready_file=a.ready_file,
                    pull_matching_prefix=a.pull_matching_prefix, prefix_digest=a.prefix_digest,
-                   log_stats_interval=a.log_stats_interval)
+                   log_stats_interval=a.log_stats_interval, connector=a.connector)
 
 
 def main(argv: list[str] | None = None) -> int:
