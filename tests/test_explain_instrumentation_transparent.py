@@ -13,7 +13,8 @@ modes. Instrumented, P's outcome rides in that error object (which the proxy nev
 kvdiag's router looks for it) and in P's prefill event; a null ``kv_transfer_params`` stays null.
 Before, the sim's instrumented P turned the failed request's null params into ``{"kvdiag": ...}``,
 and the proxy then sent D other params than stock (``test_the_comparison_catches_a_null_that_became_a_dict``
-is that difference). The real connector adds its report only to params that are not null.
+is that difference). The real connector adds its report only to params that are not null; the same
+flow on real vLLM 0.33 with and without it is tests/test_explain_real_vllm_transparent.py.
 """
 
 from __future__ import annotations
