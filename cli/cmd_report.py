@@ -17,7 +17,7 @@ from rich.text import Text
 
 from kvdiag.cli.cmd_explain import output_console
 from kvdiag.diagnostics.advise import Advice, advise
-from kvdiag.diagnostics.advise_config import DeploymentConfig, display_config, scan_config_cached
+from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
 from kvdiag.diagnostics.detect import LogReadError
 from kvdiag.diagnostics.explain import ExplainError
 from kvdiag.diagnostics.html_report import write_html_report
@@ -58,9 +58,7 @@ def _load(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progress: b
                            err=True)
             with _progress(not no_progress and sys.stderr.isatty()) as update:
                 df = load_turn_table(staged, cache_dir=cache, progress=update, events_only=events_only)
-            # the config cache is keyed by the files read: staged copies are new each run
-            cfg = scan_config_cached(staged.paths, None if staged.renamed else cache)
-            return df, display_config(cfg, staged.display) if staged.renamed else cfg
+            return df, scan_config_cached(staged, cache)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
     except (LogReadError, ExplainError) as exc:

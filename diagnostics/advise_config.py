@@ -18,6 +18,7 @@ from typing import Any, Final, Literal
 
 from kvdiag.diagnostics.detect import detect, expand_paths, role_hint
 from kvdiag.diagnostics.scan import grep_lines, grep_regex
+from kvdiag.diagnostics.sources import StagedInputs
 from kvdiag.exporters.parquet import cache_key
 
 Role = Literal["prefill", "decode", "router", "client", "unknown"]
@@ -184,17 +185,23 @@ def display_config(cfg: DeploymentConfig, display: Callable[[str], str]) -> Depl
     return DeploymentConfig.from_json_dict(walk(cfg.to_json_dict()))
 
 
-def scan_config_cached(paths: Sequence[str | Path], cache_dir: Path | None) -> DeploymentConfig:
-    """:func:`scan_config` through a JSON cache keyed like the turn table's (path, size, mtime)."""
+def scan_config_cached(paths: Sequence[str | Path] | StagedInputs, cache_dir: Path | None) -> DeploymentConfig:
+    """:func:`scan_config` through a JSON cache keyed like the turn table's (path, size, mtime).
+
+    Staged inputs (kvdiag.diagnostics.sources) are keyed by the files as given, so a hit unwraps nothing;
+    sources then name those files."""
+    staged = paths if isinstance(paths, StagedInputs) else None
     if cache_dir is None:
-        return scan_config(paths)
-    files = expand_paths([str(p) for p in paths])
+        if staged is None:
+            return scan_config(paths)  # type: ignore[arg-type]
+        return display_config(scan_config(staged.paths), staged.display)
+    files = list(staged.identity) if staged is not None else expand_paths([str(p) for p in paths])  # type: ignore[union-attr]
     target = cache_dir / f"config-{cache_key(files, CONFIG_CACHE_VERSION)}.json"
     try:
         return DeploymentConfig.from_json_dict(json.loads(target.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
         pass  # a miss or a torn file: scan again
-    cfg = scan_config(files)
+    cfg = scan_config(files) if staged is None else display_config(scan_config(staged.paths), staged.display)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")

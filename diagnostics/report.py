@@ -368,19 +368,21 @@ def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Pa
 
 def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callable[[int, int], None] | None,
                  fast: bool, events_only: bool) -> pd.DataFrame:
-    files = list(staged.paths)
-    if events_only:
-        files = [f.path for f in detect(files) if f.fmt == "events"]
-        if not files:
-            raise ReportError("--events-only: no kvdiag event files among the inputs")
     # The cache is keyed by the inputs as given (a wrapped log's own path, size and mtime; an object's
     # mirrored copy), so a hit needs no unwrapping; the files read are the staged ones.
-    key = sorted({staged.origin.get(f, f) for f in files})
+    key = list(staged.identity)
+    if events_only:
+        files = [f.path for f in detect(staged.paths) if f.fmt == "events"]
+        if not files:
+            raise ReportError("--events-only: no kvdiag event files among the inputs")
+        key = sorted({staged.origin.get(f, f) for f in files})
     version = TABLE_VERSION
     if cache_dir is not None:
         cached = parquet.load_cached_table(key, cache_dir, version)
         if cached is not None:
             return normalize_table(cached)
+    if not events_only:
+        files = staged.paths
     fast_table = fast_turn_table(files, columns=TABLE_COLUMNS) if fast else None
     if fast_table is not None:
         df = normalize_table(fast_table)

@@ -17,7 +17,7 @@ import gzip
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
@@ -40,17 +40,27 @@ class StagedInputs:
     """Local bare files to read (``paths``), what identifies the inputs (``identity``: for cache keys),
     the user's name of every staged file, and the lines unwrapping skipped (``stats``)."""
 
-    paths: list[str] = field(default_factory=list)
+    bare: list[str] = field(default_factory=list)
     identity: list[str] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=dict)
     origin: dict[str, str] = field(default_factory=dict)  # staged file -> the identity file it came from
     stats: LineStats = field(default_factory=LineStats)
     _pattern: re.Pattern[str] | None = None
+    # wrapped inputs, unwrapped on first use of ``paths`` (a cached report never needs them)
+    pending: list[Callable[[], None]] = field(default_factory=list)
+    unwrapped: list[str] = field(default_factory=list)
+
+    @property
+    def paths(self) -> list[str]:
+        """Every local bare file to read (wrapped inputs are unwrapped now, once)."""
+        while self.pending:
+            self.pending.pop(0)()
+        return [*self.bare, *self.unwrapped]
 
     @property
     def renamed(self) -> bool:
-        """True when some staged file is not the file the user gave (unwrapped or copied)."""
-        return bool(self.names)
+        """True when some file read is not the file the user gave (unwrapped or copied)."""
+        return bool(self.names) or bool(self.pending)
 
     def display(self, text: str) -> str:
         """``text`` with every staged file's path replaced by the user's name for it."""
@@ -152,7 +162,7 @@ def _stage(specs: list[str], work: Path, mirror_dir: Path | None) -> StagedInput
         display = remote.get(path, path)
         wrapper = sniff_wrapper(_head(path, display))
         if wrapper is None:
-            staged.paths.append(path)
+            staged.bare.append(path)
             if path in remote:
                 staged.names[path] = display
         else:
@@ -177,13 +187,16 @@ def _stage(specs: list[str], work: Path, mirror_dir: Path | None) -> StagedInput
             stem = f"{_safe(stream.replace('/', '_'))}_{name}" if stream else name
             return str(folder / f"{stem}{suffix}")
 
-        display = remote.get(path, path)
-        result = unwrap_file(path, wrapper, make_path, display)
-        staged.stats.merge(result.stats)
-        for f in result.files:
-            staged.paths.append(f.path)
-            staged.names[f.path] = display
-            staged.origin[f.path] = path
+        def unwrap(path: str = path, wrapper: Wrapper = wrapper, make_path: Callable[[str], str] = make_path) -> None:
+            display = remote.get(path, path)
+            result = unwrap_file(path, wrapper, make_path, display)
+            staged.stats.merge(result.stats)
+            for f in result.files:
+                staged.unwrapped.append(f.path)
+                staged.names[f.path] = display
+                staged.origin[f.path] = path
+
+        staged.pending.append(unwrap)
     return staged
 
 
