@@ -9,9 +9,10 @@ Per conversation key (see :func:`kvdiag.router.security.store_key`) the store ke
 * the **last-turn record**: how the previous turn ended (params stored or why not), kept longer
   than the handle so the next turn can tell expiry, missing metadata and lost state apart.
 
-Two implementations: :class:`MemoryStore` (bounded LRU + TTL, one process) and
+Implementations: :class:`MemoryStore` (bounded LRU + TTL, one process) and
 :class:`RedisStore` (Redis expiry, Lua scripts for atomic claim/complete/release), which several
-router replicas share and which survives a router restart.
+router replicas share and which survives a router restart; for Redis Cluster and Valkey Cluster,
+:class:`kvdiag.router.store_cluster.ClusterStore` (hash-tagged keys, bounded per bucket).
 """
 
 from __future__ import annotations
@@ -144,12 +145,17 @@ class LastTurn:
     request_id: str
     missing_reason: str | None = None  # why D's params did not arrive (when not stored)
     not_kept: str | None = None  # why the router did not keep D's params it received (request shape)
+    # Placement (router/placement.py): the "host:port" of the P and D that served the turn.
+    prefill: str | None = None
+    decode: str | None = None
 
     def to_json(self) -> str:
-        """Serialized form."""
-        return json.dumps({"turn": self.turn, "ended_at": self.ended_at, "stored": self.stored,
-                           "request_id": self.request_id, "missing_reason": self.missing_reason,
-                           "not_kept": self.not_kept}, separators=(",", ":"))
+        """Serialized form (an older router ignores the placement keys)."""
+        obj = {"turn": self.turn, "ended_at": self.ended_at, "stored": self.stored, "request_id": self.request_id,
+               "missing_reason": self.missing_reason, "not_kept": self.not_kept}
+        if self.prefill is not None or self.decode is not None:
+            obj.update(prefill=self.prefill, decode=self.decode)
+        return json.dumps(obj, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> LastTurn:
@@ -158,9 +164,14 @@ class LastTurn:
             obj = json.loads(raw)
             return cls(turn=int(obj["turn"]), ended_at=float(obj["ended_at"]), stored=bool(obj["stored"]),
                        request_id=str(obj["request_id"]), missing_reason=obj.get("missing_reason"),
-                       not_kept=obj.get("not_kept"))
+                       not_kept=obj.get("not_kept"), prefill=_address(obj.get("prefill")),
+                       decode=_address(obj.get("decode")))
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"corrupt last-turn record in the store: {exc}") from None
+
+
+def _address(value: Any) -> str | None:
+    return value if isinstance(value, str) and len(value) <= 300 else None
 
 
 @dataclass(frozen=True)
@@ -243,7 +254,8 @@ class MemoryStore:
         # Entries are kept as (timestamp, JSON) tuples of atomics, which the cyclic garbage collector
         # does not track: 100k stored objects would make every full collection a ~200 ms pause.
         self._handles: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
-        self._last: OrderedDict[str, tuple[float, int, bool, str, str | None, str | None]] = OrderedDict()
+        self._last: OrderedDict[str, tuple[float, int, bool, str, str | None, str | None, str | None,
+                                          str | None]] = OrderedDict()
         self._locks: dict[str, tuple[str, float]] = {}
         # Claim tokens only need to be unique within this process (uuid4 would double a claim's cost).
         self._tokens = itertools.count(1)
@@ -261,11 +273,11 @@ class MemoryStore:
         last = None
         raw_last = self._last.get(key)
         if raw_last is not None:
-            ended_at, turn, stored, request_id, reason, not_kept = raw_last
+            ended_at, turn, stored, request_id, reason, not_kept, p_at, d_at = raw_last
             if now - ended_at >= self.last_turn_ttl:
                 del self._last[key]
             else:
-                last = LastTurn(turn, ended_at, stored, request_id, reason, not_kept)
+                last = LastTurn(turn, ended_at, stored, request_id, reason, not_kept, p_at, d_at)
         held = self._locks.get(key)
         if held is not None and held[1] > now:
             return Claim(None, None, last)
@@ -289,7 +301,8 @@ class MemoryStore:
         self._locks.pop(key, None)
         if handle is not None:
             self.put_handle(key, handle)
-        self._last[key] = (last.ended_at, last.turn, last.stored, last.request_id, last.missing_reason, last.not_kept)
+        self._last[key] = (last.ended_at, last.turn, last.stored, last.request_id, last.missing_reason, last.not_kept,
+                           last.prefill, last.decode)
         self._last.move_to_end(key)
         while len(self._last) > self.capacity:
             self._last.popitem(last=False)
@@ -462,11 +475,18 @@ class RedisStore:
             raise StoreError(f"redis store {self.url}: {type(exc).__name__}: {exc}") from exc
 
     async def ping(self) -> None:
-        """Check the connection; raise StoreError with the URL when Redis is unreachable."""
+        """Check the connection; raise StoreError with the URL when Redis is unreachable or a cluster node."""
         try:
             await self._client.ping()
         except Exception as exc:
             raise StoreError(f"cannot reach redis at {self.url}: {exc}") from exc
+        try:
+            info = await self._client.info("cluster")
+        except Exception:  # a server or proxy that hides INFO: nothing to check
+            return
+        if isinstance(info, dict) and str(info.get("cluster_enabled")) == "1":
+            # This layout's scripts touch a global index key, which a cluster cannot serve from one slot.
+            raise StoreError(f"redis at {self.url} is a cluster node: use --state redis+cluster://host:port")
 
     async def claim(self, key: str) -> Claim:
         """Take the conversation for one turn (atomic: lock, GETDEL handle, read record)."""
