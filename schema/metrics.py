@@ -62,6 +62,12 @@ UPSTREAM_LEGS: Final = ("prefill", "decode")
 UPSTREAM_ERROR_KINDS: Final = ("connect", "timeout", "http_5xx", "http_4xx", "malformed", "stream_broken")
 EVICTION_REASONS: Final = ("capacity", "ttl")
 LOOKUP_RESULTS: Final = ("hit", "miss", "expired", "no_id", "concurrent", "prefix_mismatch", "lost")
+# Placement and upstream health (router/placement.py, router/health.py). ``index`` is the instance's
+# position in --prefiller-hosts/--decoder-hosts (bounded by the configuration, never a host name).
+PLACEMENT_REASONS: Final = ("round_robin", "affinity", "locality", "branch", "least_loaded", "overloaded",
+                            "fallback_unhealthy")
+EJECTION_REASONS: Final = ("connect", "timeout", "http_5xx", "probe")
+READMISSION_TRIGGERS: Final = ("timer", "probe")
 
 CATALOG: Final[tuple[MetricSpec, ...]] = (
     # --- per-turn outcomes (router) ---
@@ -121,6 +127,30 @@ CATALOG: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("kvdiag_upstream_errors", "counter", "Errors talking to P or D, by leg and kind.",
                labels=("leg", "kind"),
                label_values=(("leg", UPSTREAM_LEGS), ("kind", UPSTREAM_ERROR_KINDS))),
+    # --- placement and upstream health ---
+    MetricSpec("kvdiag_placement_decisions", "counter",
+               "Where turns were placed: per leg, the reason the instance was chosen and its index.",
+               labels=("leg", "reason", "index"),
+               label_values=(("leg", UPSTREAM_LEGS), ("reason", PLACEMENT_REASONS))),
+    MetricSpec("kvdiag_placement_expected_local_tokens", "counter",
+               "Prompt tokens the chosen P or D was expected to hold already (its prefix cache), per leg.",
+               unit="tokens", labels=("leg",), label_values=(("leg", UPSTREAM_LEGS),)),
+    MetricSpec("kvdiag_upstream_healthy", "gauge",
+               "1 while a P or D instance is admitted, 0 while it is ejected after failures.",
+               labels=("leg", "index"), label_values=(("leg", UPSTREAM_LEGS),)),
+    MetricSpec("kvdiag_upstream_ejections", "counter",
+               "Instances ejected after consecutive failures, by leg, index and the last failure's kind.",
+               labels=("leg", "index", "reason"),
+               label_values=(("leg", UPSTREAM_LEGS), ("reason", EJECTION_REASONS))),
+    MetricSpec("kvdiag_upstream_readmissions", "counter",
+               "Ejected instances taken back, by leg, index and trigger (ejection time over, or a passing probe).",
+               labels=("leg", "index", "trigger"),
+               label_values=(("leg", UPSTREAM_LEGS), ("trigger", READMISSION_TRIGGERS))),
+    MetricSpec("kvdiag_upstream_in_flight", "gauge", "Requests in flight on each P and D instance.",
+               labels=("leg", "index"), label_values=(("leg", UPSTREAM_LEGS),)),
+    MetricSpec("kvdiag_upstream_in_flight_prompt_tokens", "gauge",
+               "Estimated prompt tokens of the prefill requests in flight on each P instance.",
+               unit="tokens", labels=("index",)),
     MetricSpec("kvdiag_concurrent_turns", "counter",
                "Turns that arrived while another turn of the same conversation was in flight."),
     MetricSpec("kvdiag_client_disconnects", "counter", "Client disconnects before the response completed."),
