@@ -16,6 +16,7 @@ DEFAULT_DECODER_KV_BLOCKS_TTL: Final = 480.0  # vLLM's default decoder_kv_blocks
 DEFAULT_TTL_MARGIN: Final = 30.0  # 480 - 30 = 450 s, the example proxy's TTL
 # P declines a D->P read when D's deadline is within this many seconds (vLLM pull_worker.py).
 P_EXPIRY_SAFETY_MARGIN: Final = 5.0
+POLICIES: Final = ("round-robin", "kv-aware")  # placement policies (router/placement.py)
 
 
 class ConfigError(ValueError):
@@ -28,6 +29,11 @@ class Upstream:
 
     host: str
     port: int
+
+    @property
+    def address(self) -> str:
+        """``host:port``: the instance's identity across router replicas."""
+        return f"{self.host}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -71,6 +77,18 @@ class RouterConfig:
     template_margin_tokens: int = 8  # generation-prompt tokens a history rendering may not reproduce
     verify_tokens: bool = False  # prove reuse token by token (P's /tokenize, D's token ids)
     max_reply_bytes: int = 8 << 20  # a decode stream recorded beyond this is unverifiable
+    # placement (docs/router.md "Placement"): where each turn's prefill and decode run
+    policy: str = "round-robin"  # or "kv-aware"
+    prefill_locality: bool = True  # kv-aware: P caches prefixes, so the conversation's last P holds its history
+    load_factor: float = 2.0  # kv-aware: an instance holding more than this times the mean load loses its affinity
+    branch_wait: float = 5.0  # kv-aware: longest wait of a concurrent turn for its leader's prefill (s; capped by
+    # the prefill timeout)
+    # upstream health (docs/router.md "Upstream health")
+    eject_after: int = 5  # consecutive connect errors, timeouts or 5xx that eject an instance (0: never)
+    eject_seconds: float = 30.0  # the first ejection; doubled on each repeat without a success in between
+    max_eject_seconds: float = 300.0
+    health_check_interval: float = 0.0  # active GET /health on every instance this often (0: off)
+    health_check_timeout: float = 2.0
 
     @property
     def handle_ttl(self) -> float:
@@ -121,6 +139,19 @@ class RouterConfig:
             raise ConfigError("--template-margin-tokens must be between 0 and 65536")
         if self.max_reply_bytes < 1 << 16:
             raise ConfigError("max_reply_bytes must be at least 64 KiB")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy {self.policy!r}: use {' or '.join(POLICIES)}")
+        if not 1.0 <= self.load_factor <= 100.0:
+            raise ConfigError(f"--load-factor {self.load_factor:g}: use 1.0-100 (an instance holding more than "
+                              "this times the mean load loses its affinity)")
+        if not 0 <= self.branch_wait <= 3600:
+            raise ConfigError("--branch-wait must be between 0 and 3600 seconds")
+        if self.eject_after < 0:
+            raise ConfigError("--eject-after must be 0 (never eject) or a number of failures in a row")
+        if not 0 < self.eject_seconds <= self.max_eject_seconds:
+            raise ConfigError("--eject-seconds must be positive and at most --max-eject-seconds")
+        if self.health_check_interval < 0 or self.health_check_timeout <= 0:
+            raise ConfigError("--health-check-interval must be >= 0 (0: off) and --health-check-timeout positive")
         if self.state != "memory" and not self.state.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"--state {self.state!r}: use 'memory' or a redis://host:port/db URL")
         return self

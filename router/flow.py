@@ -22,6 +22,7 @@ from aiohttp import web
 
 from kvdiag.exporters.tracecontext import trace_id_from_traceparent
 from kvdiag.router.config import RouterConfig
+from kvdiag.router.placement import Placed, Placement
 from kvdiag.router.reply import Observed, drop_token_ids, observe_body
 from kvdiag.router.reuse import ReuseGuard
 from kvdiag.router.reuse_rule import PromptView, Reuse, prompt_view, unsupported_shape
@@ -79,6 +80,8 @@ class _Turn:
     decision: Any = None  # the reuse rule's Decision for the claimed handle
     inject: dict[str, Any] | None = None  # D's params as P gets them (cut when the handle is trimmed)
     order: list[int] | None = None  # the P instances to try, in order
+    placed: Placed | None = None  # where the turn's P and D run, and why (router/placement.py)
+    body_bytes: int = 0
     tokenized: list[int] | None = None  # --verify-tokens: P's /tokenize of this prompt
     strip_ids: bool = False  # --verify-tokens asked D for token ids the client did not ask for
     handle: Handle | None = None  # the handle injected into P's request
@@ -101,6 +104,7 @@ class TurnFlow:
         self._background: set[asyncio.Task[None]] = set()
         self._reporting_prefill: set[int] = set()  # P instances seen sending kvdiag reports (instrumented)
         self.reuse = ReuseGuard(config)
+        self.placement = Placement(config, upstreams, telemetry.metrics)
         self._env_auth = f"Bearer {os.environ['OPENAI_API_KEY']}" if os.environ.get("OPENAI_API_KEY") else None
 
     async def drain(self) -> None:
@@ -145,6 +149,7 @@ class TurnFlow:
         if not turn.store_done:
             await self._store_result(turn, None)
         state.duration_ms = (time.perf_counter() - state.started) * 1000.0
+        self.placement.finish(turn.placed, state.reuse_attrs)
         self.telemetry.request(state.endpoint, state.http_status)
         if state.lookup is not None:
             self.telemetry.turn(state)
@@ -193,6 +198,7 @@ class TurnFlow:
     async def _read_body(self, request: web.Request, turn: _Turn) -> dict[str, Any]:
         state = turn.state
         raw = await request.read()
+        turn.body_bytes = len(raw)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -241,7 +247,8 @@ class TurnFlow:
         coverage = handle.coverage if handle is not None else None
         if turn.key is not None:  # without a conversation id nothing is stored: no view needed
             turn.view = prompt_view(body, coverage.lengths() if coverage is not None else ())
-        turn.order = self.upstreams.prefill_order()
+        turn.placed = await self.placement.prefill(turn.key, claim, turn.body_bytes)
+        turn.order = turn.placed.prefill.order
         injection = None
         if handle is not None:
             ids = None
@@ -265,6 +272,7 @@ class TurnFlow:
                 injection = self.reuse.inject(handle, turn.view)
         decision = injection.decision if injection is not None else None
         turn.decision = decision
+        self.placement.expect(turn.placed, decision, coverage)
         lookup = decide_lookup(has_id=turn.key is not None, claim=claim, decision=decision,
                                earlier_turns=earlier_turns(body), now=time.time(), entry_ttl=self.config.handle_ttl,
                                store_error=store_error)
@@ -332,7 +340,7 @@ class TurnFlow:
                 if with_handle:
                     turn.handle_reached_p = True  # until P is known not to have received it
                 try:
-                    obj = await self._post_prefill(index, path, prefill_body, headers, span)
+                    obj = await self._post_prefill(index, path, prefill_body, headers, span, with_handle)
                 except LegError as exc:
                     self.telemetry.upstream_error("prefill", exc.kind)
                     last_error = exc
@@ -348,19 +356,23 @@ class TurnFlow:
                 return self._prefill_succeeded(obj, index, with_handle, turn), index
         finally:
             state.prefill_ms = (time.perf_counter() - started) * 1000.0
+            self.placement.prefill_done(turn.placed)
         assert last_error is not None
         raise last_error
 
     async def _post_prefill(self, index: int, path: str, body: dict[str, Any], headers: dict[str, str],
-                            span: Span | None) -> dict[str, Any]:
+                            span: Span | None, with_handle: bool = False) -> dict[str, Any]:
         payload = json.dumps(body, separators=(",", ":")).encode()
+        tokens = max(len(payload) // 4, 1)  # counted in flight on P until it answers
         if span is None or self.tracing is None:
-            obj = await self.upstreams.post_prefill(index, path, payload, headers)
+            obj = await self.upstreams.post_prefill(index, path, payload, headers, load_tokens=tokens,
+                                                    with_handle=with_handle)
         else:
             leg_headers = dict(headers)
             with self.tracing.prefill_span(span, leg_headers, {"kvdiag.prefill_index": index}) as leg:
                 try:
-                    obj = await self.upstreams.post_prefill(index, path, payload, leg_headers)
+                    obj = await self.upstreams.post_prefill(index, path, payload, leg_headers, load_tokens=tokens,
+                                                            with_handle=with_handle)
                 except LegError as exc:
                     self.tracing.set_error(leg, f"{exc.kind}: {exc}")
                     raise
@@ -434,9 +446,11 @@ class TurnFlow:
     # ------------------------------------------------------------------ decode
     async def _open_decode(self, path: str, payload: bytes, headers: dict[str, str],
                            turn: _Turn) -> tuple[aiohttp.ClientResponse, int, float]:
-        """Open the decode response on the round-robin D, trying the next D only when one is unreachable."""
+        """Open the decode response on the placed D, trying the next D only when one is unreachable."""
         last: LegError | None = None
-        for index in self.upstreams.decode_order():
+        placed = turn.placed
+        order = self.placement.decode_order(placed) if placed is not None else self.upstreams.decode_order()
+        for index in order:
             started = time.perf_counter()
             try:
                 resp = await self.upstreams.open_decode(index, path, payload, headers)
@@ -447,6 +461,7 @@ class TurnFlow:
                     continue
                 raise
             turn.state.decode_index = index
+            self.placement.decode_started(placed, index)
             return resp, index, started
         assert last is not None
         raise last
@@ -681,7 +696,9 @@ class TurnFlow:
             not_kept = state.not_kept if handle is None else None
             missing = None if handle is not None or not_kept else (state.missing_reason or "unknown")
             last = LastTurn(turn=lookup.turn if lookup else 1, ended_at=time.time(), stored=handle is not None,
-                            request_id=state.request_id, missing_reason=missing, not_kept=not_kept)
+                            request_id=state.request_id, missing_reason=missing, not_kept=not_kept,
+                            prefill=self.upstreams.address("prefill", state.prefill_index),
+                            decode=self.upstreams.address("decode", state.decode_index))
             stored = await self.store.complete(key, claim.token, handle, last)
             state.stored = stored and handle is not None
         except StoreError as exc:
