@@ -206,7 +206,7 @@ def staged_inputs(paths: Iterable[str] | StagedInputs) -> Iterator[StagedInputs]
         raise UnreadableLogError(str(exc)) from None
     try:
         yield staged
-    except UnreadableLogError as exc:
+    except (UnreadableLogError, LogReadError) as exc:  # a wrapped input is unwrapped on first use
         raise UnreadableLogError(staged.display(str(exc))) from None
     finally:
         ctx.__exit__(None, None, None)
