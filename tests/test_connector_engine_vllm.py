@@ -92,3 +92,31 @@ async def test_three_turns_through_the_router_read_d_blocks_back(testbed: dict[s
         assert held.retained_blocks == math.ceil(p_ev.remote_offered_tokens / 32)
         assert p_ev.transfer_bytes == held.retained_blocks * BLOCK_BYTES and p_ev.transfer_ms > 0
         assert released[p_ev.remote_request_id] == "read"
+
+
+async def test_a_cut_handle_is_read_exactly_and_the_turn_succeeds(testbed: dict[str, Any]) -> None:
+    # A regenerate (the same prompt again: D's sequence is longer than it) and an edited reply: the router
+    # cuts D's handle to the previous prompt's whole blocks; real vLLM reads exactly those blocks over
+    # NIXL, computes the rest and answers.
+    first = [{"role": "user", "content": generate_text(31, 150)}]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        reply = await _turn(session, testbed["router"], first)
+        await _turn(session, testbed["router"], first)                      # regenerate
+        edited = [*first, {"role": "assistant", "content": reply + " (edited by the client)"},
+                  {"role": "user", "content": generate_text(32, 12)}]
+        await _turn(session, testbed["router"], edited)                     # reply edited
+    tmp: Path = testbed["dir"]
+    router = _events(tmp / "router-events.jsonl", 3)
+    assert [e.trim_reason for e in router] == [None, "reply_absent", "reply_edited"]
+    p_events = {e.engine_request_id: e for e in _events(tmp / "prefill-events.jsonl", 4)
+                if e.event == "prefill_request"}
+    for ev in router[1:]:
+        limit, held = ev.reuse_limit_tokens, ev.handle_tokens
+        assert limit is not None and held is not None and 0 < limit < held and limit % 32 == 0
+        assert ev.trimmed_tokens == held - limit and ev.status == "ok" and ev.outcome == "remote_hit"
+        p_ev = p_events[ev.engine_request_id]
+        # P (prefix caching off) read exactly the cut handle's blocks and found them all matching.
+        assert p_ev.remote_offered_tokens == limit and p_ev.remote_read_tokens == limit
+        assert not p_ev.mismatch_tokens and p_ev.status == "ok"
+        assert p_ev.transfer_bytes == limit // 32 * BLOCK_BYTES
+        assert p_ev.computed_tokens == p_ev.prompt_tokens - limit
