@@ -17,7 +17,7 @@ from kvdiag.dashboards.config import MixinConfig
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 
-# The TP-pooling caveat every panel over vLLM's NIXL histograms repeats (vllm.md §5).
+# The TP-pooling caveat every panel over vLLM's NIXL histograms repeats (docs/vllm-reference.md, metrics).
 TP_POOLING_NOTE = ("Caution: vLLM's NIXL metrics pool the observations of every TP rank, so counts are "
                    "rank-level transfers, not requests, and bytes are not the size of one request "
                    "(vLLM issue #41230). Use the kvdiag per-turn panels above for per-request figures.")

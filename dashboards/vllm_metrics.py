@@ -1,4 +1,4 @@
-"""vLLM's own Prometheus metrics that kvdiag dashboards may chart (reference: vllm.md §5).
+"""vLLM's own Prometheus metrics that kvdiag dashboards may chart (docs/vllm-reference.md, metrics).
 
 Only names listed here (or in the kvdiag catalog) may appear in a dashboard or rule expression;
 tests/test_dashboards.py fails on any other name, which catches typos and upstream renames.

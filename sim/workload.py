@@ -44,7 +44,7 @@ from kvdiag.sim.workload_plan import (
 
 _logger = logging.getLogger(__name__)
 
-# vLLM benchmarks/multi_turn/benchmark_serving_multi_turn.py RequestStats field order (vllm.md §7).
+# vLLM benchmarks/multi_turn/benchmark_serving_multi_turn.py RequestStats field order (docs/vllm-reference.md).
 REQUEST_STATS_FIELDS: Final = (
     "ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
     "output_num_tokens", "output_num_chunks", "output_num_first_chunk_tokens", "approx_cached_percent",

@@ -1,4 +1,4 @@
-"""The stock vLLM log parser against real lines (vllm.md §3–4, vllm-bidir-observed.md, aws-do-eks PR #84)."""
+"""The stock vLLM log parser against real lines (formats in docs/vllm-reference.md; samples from vLLM 0.33 and public bug reports)."""
 
 from __future__ import annotations
 
