@@ -31,6 +31,7 @@ from prometheus_client.exposition import choose_encoder
 from kvdiag.router.config import RouterConfig
 from kvdiag.router.flow import TurnFlow
 from kvdiag.router.store import MemoryStore, RedisStore, Store, StoreError
+from kvdiag.router.store_cluster import CLUSTER_SCHEMES, ClusterStore
 from kvdiag.router.telemetry import EVENT_FLUSH_INTERVAL, RouterTelemetry
 from kvdiag.router.upstream import Upstreams
 from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
@@ -53,6 +54,8 @@ def build_store(config: RouterConfig, telemetry: RouterTelemetry) -> Store:
                               "on_evict": telemetry.evicted}
     if config.state == "memory":
         return MemoryStore(**kwargs)
+    if config.state.startswith(CLUSTER_SCHEMES):
+        return ClusterStore(config.state, **kwargs)
     return RedisStore(config.state, **kwargs)
 
 
@@ -86,7 +89,7 @@ class RouterApp:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
-        if isinstance(self.store, RedisStore):
+        if isinstance(self.store, RedisStore | ClusterStore):
             await self.store.ping()
         await self.upstreams.start()
         loop = asyncio.get_running_loop()

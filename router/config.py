@@ -152,6 +152,8 @@ class RouterConfig:
             raise ConfigError("--eject-seconds must be positive and at most --max-eject-seconds")
         if self.health_check_interval < 0 or self.health_check_timeout <= 0:
             raise ConfigError("--health-check-interval must be >= 0 (0: off) and --health-check-timeout positive")
-        if self.state != "memory" and not self.state.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"--state {self.state!r}: use 'memory' or a redis://host:port/db URL")
+        if self.state != "memory" and not self.state.startswith(("redis://", "rediss://", "unix://", "redis+cluster://",
+                                                                   "rediss+cluster://")):
+            raise ConfigError(f"--state {self.state!r}: use 'memory', a redis://host:port/db URL or "
+                              "redis+cluster://host:port[,host:port...] for Redis or Valkey Cluster")
         return self
