@@ -32,6 +32,8 @@ from kvdiag.router.store import Claim, Handle, LastTurn, Store, StoreError
 from kvdiag.router.telemetry import RouterTelemetry
 from kvdiag.router.turns import HIT, PREFIX_MISMATCH, TurnState, decide_lookup, prefill_verdict
 from kvdiag.router.upstream import LegError, Upstreams, check_json_response
+from kvdiag.router.usage import HEADER as REUSE_HEADER
+from kvdiag.router.usage import PrefillReuse, client_stream_filter, prefill_reuse, reuse_header, rewrite_usage
 from kvdiag.schema.events import REPORT_KEY, EventFormatError, PrefillReport
 from kvdiag.schema.verdicts import TrimReason, Verdict
 
@@ -89,6 +91,7 @@ class _Turn:
     reached_decode: bool = False
     store_done: bool = False
     delivered: bool = False  # the client has been sent the whole stream, [DONE] included
+    prefill_reuse: PrefillReuse | None = None  # what P did not compute, for the client's usage and header
 
 
 class TurnFlow:
@@ -427,6 +430,7 @@ class TurnFlow:
             state.verdict, state.reason = verdict, reason
         elif report is not None and state.report is None:
             state.report = report  # P's accounting of a turn without a handle (tokens, engine ids)
+        turn.prefill_reuse = prefill_reuse(report, usage, params)
         return params
 
     def _prefill_failed(self, turn: _Turn, exc: LegError) -> web.Response:
@@ -493,13 +497,14 @@ class TurnFlow:
                 return self._decode_failed_before_body(turn, exc)
             out = web.StreamResponse(status=200, headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache", "X-Request-Id": state.request_id})
+                "Cache-Control": "no-cache", "X-Request-Id": state.request_id, REUSE_HEADER: self._reuse_header(turn)})
             body = turn.body or {}
             n = body.get("n")
             capture = SSECapture(max_record_bytes=self.config.max_reply_bytes, chat=state.endpoint == "chat",
                                  single_choice=not (isinstance(n, int) and n > 1) and not body.get("use_beam_search"),
                                  token_ids=self.config.verify_tokens)
-            stripper = TokenIdStripper() if turn.strip_ids else None
+            # The client's stream: token ids it did not ask for removed, the final usage chunk rewritten.
+            stripper = client_stream_filter(TokenIdStripper() if turn.strip_ids else None, body, turn.prefill_reuse)
             failure: LegError | None = None
             client_gone = False
             try:
@@ -620,8 +625,17 @@ class TurnFlow:
                 await self._store_result(turn, None)
             if leg is not None:
                 leg.set_attribute("gen_ai.usage.completion_tokens", state.completion_tokens or 0)
+        if turn.prefill_reuse is not None and turn.prefill_reuse.cached_tokens is not None:
+            rewrite_usage(obj.get("usage"), turn.prefill_reuse.cached_tokens)
         return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=200,
-                            content_type="application/json", headers={"X-Request-Id": state.request_id})
+                            content_type="application/json",
+                            headers={"X-Request-Id": state.request_id, REUSE_HEADER: self._reuse_header(turn)})
+
+    @staticmethod
+    def _reuse_header(turn: _Turn) -> str:
+        state = turn.state
+        return reuse_header(state.verdict, turn.prefill_reuse, state.handle_tokens, state.reuse_limit_tokens,
+                            state.trim_reason)
 
     @staticmethod
     def _mark_request_failed(state: TurnState, message: str) -> None:
