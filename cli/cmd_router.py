@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from kvdiag.router.config import DEFAULT_DECODER_KV_BLOCKS_TTL, ConfigError, RouterConfig, Upstream
+from kvdiag.router.config import DEFAULT_DECODER_KV_BLOCKS_TTL, POLICIES, ConfigError, RouterConfig, Upstream
 from kvdiag.router.store import StoreError
 from kvdiag.schema.process import run_event_loop
 
@@ -85,6 +85,25 @@ def _pair(role: str, hosts: tuple[str, ...], ports: tuple[int, ...]) -> tuple[Up
               help="Tokens of a turn's generation prompt the next prompt's history may not reproduce.")
 @click.option("--verify-tokens", is_flag=True,
               help="Prove reuse token by token: P's /tokenize of each prompt against D's token ids (costs a call).")
+@click.option("--policy", type=click.Choice(POLICIES), default="round-robin", show_default=True,
+              help="Where turns run: round-robin (the example proxy's), or kv-aware (the D and P that hold the "
+                   "conversation's KV, while healthy and under the load bound).")
+@click.option("--prefill-locality/--no-prefill-locality", default=True, show_default=True,
+              help="kv-aware: keep a conversation on the P that served its last turn (P prefix caching on). "
+                   "Turn off when P runs with --no-enable-prefix-caching.")
+@click.option("--load-factor", type=float, default=2.0, show_default=True,
+              help="kv-aware: an instance holding more than this times the mean load loses its affinity.")
+@click.option("--branch-wait", type=float, default=5.0, show_default=True,
+              help="kv-aware: seconds a concurrent turn of a conversation waits for the in-flight turn's prefill, "
+                   "to hit that P's prefix cache.")
+@click.option("--eject-after", type=int, default=5, show_default=True,
+              help="Eject a P or D after this many connect errors, timeouts or 5xx in a row (0: never).")
+@click.option("--eject-seconds", type=float, default=30.0, show_default=True,
+              help="First ejection time; doubled on each repeat without a success in between.")
+@click.option("--max-eject-seconds", type=float, default=300.0, show_default=True, help="Longest ejection.")
+@click.option("--health-check-interval", type=float, default=0.0, show_default=True,
+              help="Probe every P and D's GET /health this often, in seconds (0: off).")
+@click.option("--health-check-timeout", type=float, default=2.0, show_default=True, help="Probe timeout (s).")
 @click.option("--ready-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write {port, pid} here once listening.")
 def router(**opts: Any) -> None:
@@ -100,7 +119,10 @@ def router(**opts: Any) -> None:
         max_connections_per_host=opts["max_connections"], events_file=opts["events_file"],
         proxy_log=opts["proxy_log"], hash_ids=opts["hash_ids"], otlp_endpoint=opts["otlp_endpoint"],
         block_size=opts["block_size"], template_margin_tokens=opts["template_margin_tokens"],
-        verify_tokens=opts["verify_tokens"])
+        verify_tokens=opts["verify_tokens"], policy=opts["policy"], prefill_locality=opts["prefill_locality"],
+        load_factor=opts["load_factor"], branch_wait=opts["branch_wait"], eject_after=opts["eject_after"],
+        eject_seconds=opts["eject_seconds"], max_eject_seconds=opts["max_eject_seconds"],
+        health_check_interval=opts["health_check_interval"], health_check_timeout=opts["health_check_timeout"])
     try:
         config.validate()
     except ConfigError as exc:
@@ -119,7 +141,8 @@ async def _serve(config: RouterConfig, ready_file: Path | None) -> None:
 
     def announce(handle: RouterHandle) -> None:
         click.echo(f"kvdiag router: serving on {handle.url} ({len(config.prefill)} prefill, {len(config.decode)} "
-                   f"decode, state {config.state.split('@')[-1]}, entry TTL {config.handle_ttl:g}s)")
+                   f"decode, state {config.state.split('@')[-1]}, entry TTL {config.handle_ttl:g}s, "
+                   f"policy {config.policy})")
 
     await serve(config, ready_file, on_ready=announce)
 

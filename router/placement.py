@@ -20,7 +20,7 @@ Two policies (``--policy``):
 
   The load bound is the one of consistent hashing with bounded loads: an instance keeps its affinity
   while its load does not exceed ``load_factor`` times the mean load of the admitted instances
-  (counting this turn), so no instance becomes a hot spot.
+  (counting this turn) plus this turn's own load, so no instance becomes a hot spot.
 
 The conversation's last P and D are the ``prefill``/``decode`` addresses of its last-turn record in
 the store, so every router replica sharing the store places alike. Placement only decides where a
@@ -202,10 +202,12 @@ class Placement:
         return [*ranked, *health.order(leg, [i for i in range(n) if i not in ranked])], why
 
     def _overloaded(self, load: list[float], admitted: list[int], index: int, weight: float) -> bool:
-        # Bounded loads: the preferred instance keeps the turn unless it already holds more than
-        # load_factor times the mean load the admitted instances will have with this turn placed.
+        # Bounded loads: the preferred instance keeps the turn unless it already holds more than load_factor
+        # times the mean load the admitted instances will have with this turn placed, plus one turn's worth
+        # (the slack bounded-load consistent hashing gets from rounding up, so a few turns never count as a
+        # hot spot).
         mean_after = (sum(load[i] for i in admitted) + weight) / max(len(admitted), 1)
-        return load[index] > self.config.load_factor * mean_after
+        return load[index] > self.config.load_factor * mean_after + weight
 
     # ------------------------------------------------------------------ expectations
     def expect(self, placed: Placed, decision: Decision | None, coverage: Coverage | None) -> None:
