@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import redis.asyncio as redis_asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvdiag.router.reuse_rule import (
     CHAT,
@@ -453,8 +456,11 @@ class RedisStore:
         self.lock_ttl = lock_ttl
         self.prefix = prefix
         self._on_evict = on_evict
+        # A restarted server leaves every pooled connection stale: retry once on a connection error (the old
+        # server never ran the command), never on a timeout (the script may have run).
         self._client: Any = redis_asyncio.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30)
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self._claim = self._client.register_script(_CLAIM_LUA)
         self._complete = self._client.register_script(_COMPLETE_LUA)
         self._release = self._client.register_script(_RELEASE_LUA)

@@ -34,6 +34,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvdiag.router.store import Claim, EvictionCallback, Handle, LastTurn, StoreError
 
@@ -194,8 +195,10 @@ class ClusterStore:
                                         socket_connect_timeout=timeout,
                                         retry=cast(Any, Retry(NoBackoff(), 0)))  # the stubs name the sync class
         else:
+            # Stale pooled connections after a restart: one retry on a connection error, none on a timeout.
             self._client = redis_asyncio.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                                  health_check_interval=30)
+                                                  health_check_interval=30,
+                                                  retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self._claim = self._client.register_script(_CLAIM_LUA)
         self._complete = self._client.register_script(_COMPLETE_LUA)
         self._release = self._client.register_script(_RELEASE_LUA)
