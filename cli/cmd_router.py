@@ -60,7 +60,8 @@ def _pair(role: str, hosts: tuple[str, ...], ports: tuple[int, ...]) -> tuple[Up
 @click.option("--decoder-ports", "--decoder-port", "decoder_ports", type=int, multiple=True, default=(8200,),
               show_default=True, help="Decode instance ports, one per host.")
 @click.option("--state", default="memory", show_default=True,
-              help="Conversation store: 'memory' or redis://host:port/db (shared by replicas, survives restarts).")
+              help="Conversation store: 'memory', redis://host:port/db, or redis+cluster://host:port[,host:port...] "
+                   "for Redis or Valkey Cluster (Redis: shared by replicas, survives restarts).")
 @click.option("--decoder-kv-blocks-ttl", type=float, default=DEFAULT_DECODER_KV_BLOCKS_TTL, show_default=True,
               help="D's decoder_kv_blocks_ttl (seconds); the router's TTL must stay below it.")
 @click.option("--entry-ttl", type=float, default=None,
