@@ -1,15 +1,17 @@
-"""``kvdiag sim prefill|decode|calibrate``: the GPU-free P/D testbed engines (thin CLI over kvdiag.sim)."""
+"""``kvdiag sim prefill|decode|fleet|calibrate``: the GPU-free P/D testbed engines (thin CLI over kvdiag.sim)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
 import click
 
 from kvdiag.schema.process import run_event_loop
 from kvdiag.sim.config import REASONING_FIELDS, REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, EngineConfig
 from kvdiag.sim.faults import POLICIES, FaultError, parse_fail_transfers
+from kvdiag.sim.fleet import MAX_ENGINES, FleetSpec, serve_fleet
 from kvdiag.sim.server import serve
 from kvdiag.sim.timemodel import PROFILES, UnknownProfile, calibrate
 
@@ -19,8 +21,28 @@ def sim() -> None:
     """Emulated vLLM prefill/decode engines (no GPU, no model) and their time model."""
 
 
+# Options that name one engine's own ports, files or identity: a fleet sets them per engine.
+_PER_ENGINE: Final = frozenset({"--port", "--side-channel-port", "--ready-file", "--engine-id", "--log-file",
+                                "--events-file", "--engine", "--no-prefix-caching"})
+
+
 def _engine_options(fn: Any) -> Any:
-    options = [
+    return _apply(fn, _option_list())
+
+
+def _fleet_engine_options(fn: Any) -> Any:
+    return _apply(fn, [opt for name, opt in zip(_OPTION_NAMES, _option_list(), strict=True)
+                       if name not in _PER_ENGINE])
+
+
+def _apply(fn: Any, options: list[Any]) -> Any:
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _option_list() -> list[Any]:
+    return [
         click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback)."),
         click.option("--port", type=int, default=0, show_default=True, help="OpenAI API port (0 = a free one)."),
         click.option("--side-channel-port", type=int, default=0, show_default=True,
@@ -90,9 +112,39 @@ def _engine_options(fn: Any) -> Any:
                      help="vllm: vLLM's real Scheduler + instrumented NixlConnector + real NIXL on CPU "
                           "(needs the vllm extra; `make vllm-env`)."),
     ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+
+
+def _option_names() -> list[str]:
+    names = []
+    for option in _option_list():
+        probe = option(lambda: None)  # the decorator records a click.Option on the function
+        names.append(probe.__click_params__[-1].opts[0])
+    return names
+
+
+_OPTION_NAMES: Final = _option_names()
+
+
+def _config(role: str, opts: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig the options describe (raises ConfigError or FaultError)."""
+    return EngineConfig(
+            role=role, host=opts["host"], port=opts.get("port", 0), side_channel_port=opts.get("side_channel_port", 0),
+            model=opts["model"], engine_id=opts.get("engine_id"), block_size=opts["block_size"],
+            num_blocks=opts["num_blocks"], bidirectional_kv_xfer=not opts["no_bidirectional"],
+            kv_recompute_threshold=opts["kv_recompute_threshold"], decoder_kv_blocks_ttl=opts["decoder_kv_blocks_ttl"],
+            kv_lease_duration=opts["kv_lease_duration"], prefix_caching=not opts["no_prefix_caching"],
+            kv_load_failure_policy=opts["kv_load_failure_policy"], hang_on_recompute=opts["hang_on_recompute"],
+            stream_kv_params=not opts["no_stream_kv_params"],
+            fail_transfers=parse_fail_transfers(opts["fail_transfers"]), fail_requests=opts["fail_requests"],
+            profile=opts["profile"], time_scale=opts["time_scale"], mode=opts["mode"], log_file=opts.get("log_file"),
+            log_level=opts["log_level"].upper(), enable_log_requests=opts["enable_log_requests"],
+            events_file=opts.get("events_file"), seed=opts["seed"], default_max_tokens=opts["max_tokens_default"],
+            expiry_safety_margin_s=opts["expiry_safety_margin"], log_stats_interval_s=opts["log_stats_interval"],
+            pull_matching_prefix=opts["pull_matching_prefix"], prefix_digest=opts["prefix_digest"],
+            reasoning_parser=opts["reasoning_parser"], tool_call_parser=opts["tool_call_parser"],
+            enable_auto_tool_choice=opts["enable_auto_tool_choice"], reasoning_tokens=opts["reasoning_tokens"],
+            tool_call_style=opts["tool_call_style"], reasoning_field=opts["reasoning_field"],
+            max_model_len=opts["max_model_len"])
 
 
 def _run(role: str, opts: dict[str, Any]) -> None:
@@ -101,24 +153,7 @@ def _run(role: str, opts: dict[str, Any]) -> None:
         _run_vllm(role, opts, ready_file)
         return
     try:
-        config = EngineConfig(
-            role=role, host=opts["host"], port=opts["port"], side_channel_port=opts["side_channel_port"],
-            model=opts["model"], engine_id=opts["engine_id"], block_size=opts["block_size"],
-            num_blocks=opts["num_blocks"], bidirectional_kv_xfer=not opts["no_bidirectional"],
-            kv_recompute_threshold=opts["kv_recompute_threshold"], decoder_kv_blocks_ttl=opts["decoder_kv_blocks_ttl"],
-            kv_lease_duration=opts["kv_lease_duration"], prefix_caching=not opts["no_prefix_caching"],
-            kv_load_failure_policy=opts["kv_load_failure_policy"], hang_on_recompute=opts["hang_on_recompute"],
-            stream_kv_params=not opts["no_stream_kv_params"],
-            fail_transfers=parse_fail_transfers(opts["fail_transfers"]), fail_requests=opts["fail_requests"],
-            profile=opts["profile"], time_scale=opts["time_scale"], mode=opts["mode"], log_file=opts["log_file"],
-            log_level=opts["log_level"].upper(), enable_log_requests=opts["enable_log_requests"],
-            events_file=opts["events_file"], seed=opts["seed"], default_max_tokens=opts["max_tokens_default"],
-            expiry_safety_margin_s=opts["expiry_safety_margin"], log_stats_interval_s=opts["log_stats_interval"],
-            pull_matching_prefix=opts["pull_matching_prefix"], prefix_digest=opts["prefix_digest"],
-            reasoning_parser=opts["reasoning_parser"], tool_call_parser=opts["tool_call_parser"],
-            enable_auto_tool_choice=opts["enable_auto_tool_choice"], reasoning_tokens=opts["reasoning_tokens"],
-            tool_call_style=opts["tool_call_style"], reasoning_field=opts["reasoning_field"],
-            max_model_len=opts["max_model_len"])
+        config = _config(role, opts)
     except (ConfigError, FaultError) as exc:
         raise click.ClickException(f"{exc} (see `kvdiag sim {role} --help`)") from None
     if config.events_file and not config.instrumented:
@@ -153,6 +188,36 @@ def prefill(**opts: Any) -> None:
 def decode(**opts: Any) -> None:
     """Run an emulated vLLM decode engine (kv_consumer) until SIGTERM/SIGINT."""
     _run("decode", opts)
+
+
+@sim.command("fleet")
+@click.option("--prefill", "n_prefill", type=int, default=4, show_default=True, help="Prefill engines.")
+@click.option("--decode", "n_decode", type=int, default=4, show_default=True, help="Decode engines.")
+@click.option("--no-prefill-prefix-caching", is_flag=True, help="P without prefix caching (the article's P).")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="One vLLM-format log per engine: <role>-<i>.log.")
+@click.option("--events-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="One TurnEvent file per engine, <role>-<i>-events.jsonl (needs --mode instrumented).")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Write every engine's {url, port, side_channel_port, engine_id} and the router options here.")
+@_fleet_engine_options
+def fleet(n_prefill: int, n_decode: int, no_prefill_prefix_caching: bool, log_dir: Path | None,
+          events_dir: Path | None, ready_file: str | None, **opts: Any) -> None:
+    """Run an emulated xPyD fleet (default 4P+4D) in one process until SIGTERM/SIGINT."""
+    if events_dir is not None and opts["mode"] != "instrumented":
+        raise click.ClickException("--events-dir needs --mode instrumented (stock mode writes only vLLM's logs)")
+    spec = FleetSpec(prefill=n_prefill, decode=n_decode, log_dir=log_dir, events_dir=events_dir)
+    try:
+        spec.validate()
+        prefill_config = _config("prefill", {**opts, "no_prefix_caching": no_prefill_prefix_caching})
+        decode_config = _config("decode", {**opts, "no_prefix_caching": False})
+    except (ConfigError, FaultError) as exc:
+        raise click.ClickException(f"{exc} (see `kvdiag sim fleet --help`; at most {MAX_ENGINES} per role)") \
+            from None
+    try:
+        run_event_loop(serve_fleet(prefill_config, decode_config, spec, ready_file))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {opts['host']}: {exc}") from None
 
 
 @sim.command("calibrate")
