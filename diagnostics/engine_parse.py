@@ -1,0 +1,390 @@
+"""Log lines into record tables, in DuckDB: the verdict engine's parsers (SQL over every line).
+
+Every input arrives as lines ``(f, n, line)``: ``f`` the file's place in reading order, ``n`` its line
+number (counted by ``\\n``, as grep and editors count). Whole files are read by DuckDB itself
+(``read_lines_sql``); lines a prefilter kept (grep), compressed files and files DuckDB cannot read
+line for line (a carriage return inside a line, invalid UTF-8) arrive from Python (``lines_arrow``).
+Four record tables come out, one row per record, each with ``f``, ``n`` and the evidence ``text``:
+
+* ``ev``: kvdiag TurnEvents (the schema's fields; checked as ``event_from_dict`` checks them),
+* ``cs``: client statistics (vLLM's benchmark RequestStats, generic ``conversation_id`` lines),
+* ``pl``: the proxy's lines (``proxy_log.CLASSIFIERS``' kinds and groups),
+* ``vl``: vLLM's lines (``vllm_log``'s kinds, the fields the rules read).
+
+The line patterns are the Python parsers' own (``proxy_log.CLASSIFIERS``, ``vllm_log._CLASSIFIERS``,
+``HEADER_RE``; RE2 reads them as Python does). A JSON line these checks cannot vouch for (not an
+object, a key or value the schema rejects, a value of the wrong type) goes through ``json_logs``
+itself, which yields the record or the corrupt-line note explain prints.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Final
+
+import duckdb
+import pyarrow as pa
+
+from kvdiag.diagnostics import vllm_log
+from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
+from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
+from kvdiag.diagnostics.proxy_log import CLASSIFIERS as PROXY_CLASSIFIERS
+from kvdiag.diagnostics.proxy_log import PROXY_RE
+from kvdiag.schema.events import (
+    EVENTS_BY_SOURCE,
+    FIELD_NAMES,
+    FLOAT_FIELDS,
+    INT_FIELDS,
+    NON_NEGATIVE,
+    RELEASE_REASONS,
+    SCHEMA_VERSION,
+    STATUSES,
+)
+from kvdiag.schema.verdicts import TrimReason, Verdict
+
+LINE_SCHEMA: Final = pa.schema([("f", pa.int32()), ("n", pa.int64()), ("line", pa.string())])
+CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = '\\x01', quote = '', escape = '', "
+                    f"strict_mode = false, auto_detect = false, max_line_size = {4 * MAX_LINE_CHARS}")
+_WS: Final = "' \t\r\n\x0b\x0c'"  # what Python's str.strip() removes from a JSON line (ASCII)
+
+
+def sql_str(text: str) -> str:
+    """A SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _in(values: Iterable[str]) -> str:
+    return ", ".join(sql_str(v) for v in sorted(set(values)))
+
+
+def create_line_tables(con: duckdb.DuckDBPyConnection) -> None:
+    """One lines table per format: lines_json (events and statistics), lines_proxy, lines_vllm."""
+    for name in ("lines_json", "lines_proxy", "lines_vllm"):
+        con.execute(f"CREATE TEMP TABLE {name} (f INTEGER, n BIGINT, line VARCHAR)")
+    con.execute("CREATE TEMP TABLE notes (f INTEGER, n BIGINT, what VARCHAR)")
+
+
+def read_lines_sql(table: str, f: int, path: str) -> str:
+    """INSERT every line of a plain file (no carriage return: DuckDB splits lines at a lone CR too)."""
+    return (f"INSERT INTO {table} SELECT {f}, row_number() OVER (), line "
+            f"FROM read_csv({sql_str(path)}, {CSV_LINES})")
+
+
+def lines_arrow(f: int, numbered: Iterable[tuple[int, bytes | str]], stats: LineStats, path: str,
+                *, json: bool = False) -> tuple[pa.Table, list[tuple[int, int, str]]]:
+    """Lines read by Python as a lines table, and the notes for lines that are not valid UTF-8 (or
+    are oversized): those are kept, decoded with replacement characters, as the parsers keep them;
+    a JSON line among them is corrupt (``json`` drops it)."""
+    ns: list[int] = []
+    texts: list[str] = []
+    notes: list[tuple[int, int, str]] = []
+    for lineno, raw in numbered:
+        text, ok = decode_line(raw)
+        if not ok:
+            stats.corrupt += 1
+            stats.note(path, lineno, "not a JSON object" if json else "invalid UTF-8 or oversized line")
+            notes.append((f, lineno, "not a JSON object" if json else "invalid UTF-8 or oversized line"))
+            if json:
+                continue
+        ns.append(lineno)
+        texts.append(text.rstrip("\n"))
+    table = pa.table({"f": pa.array([f] * len(ns), pa.int32()), "n": pa.array(ns, pa.int64()),
+                      "line": pa.array(texts, pa.string())}, schema=LINE_SCHEMA)
+    return table, notes
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON: TurnEvents and client statistics.
+
+def _event_type(name: str) -> str:
+    if name in INT_FIELDS:
+        return "BIGINT"
+    if name in FLOAT_FIELDS:
+        return "DOUBLE"
+    return "JSON" if name == "attrs" else "VARCHAR"
+
+
+EVENT_FIELDS: Final = tuple(n for n in FIELD_NAMES if n != "attrs")
+_EVENT_SCHEMA: Final = "{" + ", ".join(f'"{n}": "{_event_type(n)}"' for n in FIELD_NAMES) + "}"
+_STAT_KEYS: Final = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms", "input_num_turns",
+                     "input_num_tokens", "output_num_tokens", "turn", "request_id")
+_STAT_SCHEMA: Final = "{" + ", ".join(f'"{k}": "JSON"' for k in _STAT_KEYS) + "}"
+_PAIRS: Final = tuple(f"{s}/{e}" for s, evs in EVENTS_BY_SOURCE.items() for e in evs)
+
+
+def _event_ok() -> str:
+    """event_from_dict's rules, on the typed values (DuckDB coerces a quoted number; docs/design.md)."""
+    checks = [f"j.v = {SCHEMA_VERSION}", "j.ts IS NOT NULL", "j.source IS NOT NULL", "j.event IS NOT NULL",
+              f"j.source || '/' || j.event IN ({_in(_PAIRS)})",
+              f"coalesce(j.outcome IN ({_in(v.value for v in Verdict)}), true)",
+              f"coalesce(j.status IN ({_in(STATUSES)}), true)",
+              f"coalesce(j.trim_reason IN ({_in(r.value for r in TrimReason)}), true)",
+              f"coalesce(j.release_reason IN ({_in(RELEASE_REASONS)}), true)",
+              "coalesce(j.turn >= 1, true)", "coalesce(json_type(j.attrs) = 'OBJECT', true)",
+              "isfinite(j.ts)"]
+    checks += [f"coalesce(j.{c} >= 0, true)" for c in sorted(NON_NEGATIVE) if c in FIELD_NAMES and c != "v"]
+    checks += [f"coalesce(isfinite(j.{c}), true)" for c in sorted(FLOAT_FIELDS) if c != "ts"]
+    return " AND ".join(checks)
+
+
+def _num(key: str) -> str:
+    # json_logs._num: a JSON number (never a bool or a string)
+    return f"CASE WHEN json_type(s.{key}) IN ('BIGINT', 'UBIGINT', 'DOUBLE') THEN CAST(s.{key} AS DOUBLE) END"
+
+
+def _int(key: str) -> str:
+    # json_logs._int: int(float(x)), which truncates
+    return f"CAST(trunc({_num(key)}) AS BIGINT)"
+
+
+def parse_json_sql() -> list[str]:
+    """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read."""
+    keys = _in(FIELD_NAMES)
+    return [
+        f"""CREATE TEMP TABLE jt AS SELECT f, n, t, from_json(t, '{_EVENT_SCHEMA}') AS j, json_keys(t) AS k
+            FROM (SELECT f, n, trim(line, {_WS}) AS t FROM lines_json WHERE line IS NOT NULL)
+            WHERE t <> '' AND starts_with(t, '{{') AND json_valid(t)""",
+        # the key lists are few: check each once
+        f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(k, 'v') AND list_contains(k, 'source')
+              AND list_contains(k, 'event') AS is_event, list_has_all([{keys}], k) AS known
+            FROM (SELECT DISTINCT k FROM jt)""",
+        f"""CREATE TEMP TABLE ev AS SELECT jt.f, jt.n, left(jt.t, 500) AS text,
+              {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)},
+              CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
+                   THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
+              CASE WHEN json_type(j.attrs, '$.block_size') IN ('BIGINT', 'UBIGINT')
+                   THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
+              CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
+                   THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl
+            FROM jt JOIN jk USING (k) WHERE jk.is_event AND jk.known AND {_event_ok()}""",
+        f"""CREATE TEMP TABLE cs_raw AS SELECT jt.f, jt.n, left(jt.t, 500) AS text,
+              from_json(jt.t, '{_STAT_SCHEMA}') AS s
+            FROM jt JOIN jk USING (k) WHERE NOT jk.is_event""",
+        f"""CREATE TEMP TABLE cs AS SELECT f, n, text,
+              CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
+                   ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
+              {_num('ttft_ms')} AS ttft_ms, {_num('latency_ms')} AS latency_ms,
+              {_num('start_time_ms')} AS start_time_ms, {_int('input_num_turns')} AS input_num_turns,
+              {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
+              CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
+              CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id
+            FROM cs_raw WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
+        # everything else json_logs reads itself: not an object, an event the checks reject, odd values
+        f"""CREATE TEMP TABLE json_odd AS SELECT l.f, l.n, l.line FROM lines_json l
+            WHERE l.line IS NOT NULL AND trim(l.line, {_WS}) <> ''
+              AND NOT EXISTS (SELECT 1 FROM ev WHERE ev.f = l.f AND ev.n = l.n)
+              AND NOT EXISTS (SELECT 1 FROM jt JOIN jk USING (k)
+                              WHERE jt.f = l.f AND jt.n = l.n AND NOT jk.is_event)""",
+    ]
+
+
+EV_ROW_COLUMNS: Final = ("f", "n", "text", *EVENT_FIELDS, "attr_bidir", "attr_block_size", "attr_ttl")
+CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latency_ms", "start_time_ms",
+                         "input_num_turns", "input_num_tokens", "output_num_tokens", "turn", "request_id")
+
+
+def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: LineStats) -> None:
+    """The JSON lines the SQL checks did not vouch for, read by json_logs: records go into ev / cs,
+    corrupt lines into the counts and notes."""
+    odd = con.execute("SELECT f, n, line FROM json_odd ORDER BY f, n").fetchall()
+    if not odd:
+        return
+    events: list[tuple[object, ...]] = []
+    stats_rows: list[tuple[object, ...]] = []
+    by_file: dict[int, list[tuple[int, str]]] = {}
+    for f, n, line in odd:
+        by_file.setdefault(f, []).append((n, line))
+    for f, numbered in by_file.items():
+        for rec in parse_json_numbered(numbered, paths[f], stats):
+            if isinstance(rec, EventRecord):
+                e = rec.event
+                attrs = e.attrs
+                bidir = attrs.get("bidirectional_kv_xfer")
+                block = attrs.get("block_size")
+                ttl = attrs.get("decoder_kv_blocks_ttl")
+                events.append((f, rec.lineno, rec.text, *(getattr(e, c) for c in EVENT_FIELDS),
+                               bidir if isinstance(bidir, bool) else None,
+                               block if isinstance(block, int) and not isinstance(block, bool) else None,
+                               float(ttl) if isinstance(ttl, int | float) and not isinstance(ttl, bool) else None))
+            elif isinstance(rec, ClientStat):
+                stats_rows.append((f, rec.lineno, rec.text, rec.conversation_id, rec.ttft_ms, rec.latency_ms,
+                                   rec.start_time_ms, rec.input_num_turns, rec.input_num_tokens,
+                                   rec.output_num_tokens, rec.turn, rec.request_id))
+    _append_rows(con, "ev", EV_ROW_COLUMNS, events)
+    _append_rows(con, "cs", CS_ROW_COLUMNS, stats_rows)
+
+
+def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str, ...],
+                 rows: list[tuple[object, ...]]) -> None:
+    if not rows:
+        return
+    placeholders = ", ".join("?" for _ in columns)
+    con.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({placeholders})", rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# The proxy log.
+
+_PROXY_NAMES: Final = ("conv", "age", "ttl", "remote", "blocks", "rid", "why", "ms", "detail", "p", "d")
+
+
+def _re2(pattern: re.Pattern[str]) -> str:
+    """A Python pattern as RE2 reads it the same way: ``\\w`` made Unicode-aware (RE2's is ASCII)."""
+    out, in_class, i, src = [], False, 0, pattern.pattern
+    while i < len(src):
+        ch = src[i]
+        if ch == "\\" and i + 1 < len(src):
+            pair = src[i:i + 2]
+            out.append(("\\pL\\pN_" if in_class else "[\\pL\\pN_]") if pair == "\\w" else pair)
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+        elif ch == "]" and in_class and out and out[-1] != "[":
+            in_class = False
+        out.append(ch)
+        i += 1
+    return ("(?s)" if pattern.flags & re.DOTALL else "") + "".join(out)
+
+
+def parse_proxy_sql() -> list[str]:
+    """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives."""
+    kinds = [f"WHEN regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}"
+             for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS)]
+    fields = []
+    for name in _PROXY_NAMES:
+        whens = []
+        for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS):
+            if name in regex.groupindex:
+                whens.append(f"WHEN {i} THEN nullif(x{i}.{name}, '')")
+        fields.append(f"CASE k {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
+    structs = ", ".join(f"CASE WHEN k = {i} THEN regexp_extract(msg, {sql_str(_re2(regex))}, "
+                        f"[{_in_ordered(list(regex.groupindex))}]) END AS x{i}"
+                        for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS) if regex.groupindex)
+    kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
+    head = sql_str(_re2(PROXY_RE))
+    return [
+        f"""CREATE TEMP TABLE pl_msg AS SELECT f, n, left(t, 500) AS text, h.ts AS ts, h.lvl AS level, h.msg AS msg
+            FROM (SELECT f, n, t, regexp_extract(t, {head}, ['ts', 'lvl', 'name', 'msg']) AS h
+                  FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t FROM lines_proxy
+                        WHERE line IS NOT NULL) WHERE regexp_matches(t, {head}))""",
+        f"""CREATE TEMP TABLE pl AS SELECT f, n, text, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
+            FROM (SELECT *, {structs} FROM (SELECT *, CASE {' '.join(kinds)} END AS k FROM pl_msg))
+            WHERE k IS NOT NULL""",
+    ]
+
+
+def _in_ordered(values: list[str]) -> str:
+    return ", ".join(sql_str(v) for v in values)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM logs.
+
+# What the rules read from each kind, by the pattern's groups (vllm_log's converters' fields).
+_I = "TRY_CAST(nullif(x.g{}, '') AS BIGINT)"
+_S = "nullif(x.g{}, '')"
+_VLLM_FIELDS: Final[dict[str, dict[str, str]]] = {
+    "bidir_enabled": {"threshold": _I.format(1), "ttl_s": _I.format(2)},
+    "declining_expired": {"request_id": _S.format(1)},
+    "releasing_expired": {"request_id": _S.format(1)},
+    "invalid_unrecognized": {"request_id": _S.format(1)},
+    "nixl_failure": {"failure_type": _S.format(1),
+                     "ctx_request_id": "nullif(regexp_extract(x.g3, '''request_id'': ''([^'']*)''', 1), '')",
+                     "ctx_remote_request_id":
+                         "nullif(regexp_extract(x.g3, '''remote_request_id'': ''([^'']*)''', 1), '')"},
+    "kv_load_failed": {"request_ids": "CASE WHEN len(regexp_extract_all(x.g4, '''([^'']+)''', 1)) > 0 "
+                                      "THEN regexp_extract_all(x.g4, '''([^'']+)''', 1) ELSE regexp_extract_all("
+                                      "x.g4, '(?:chat)?cmpl-[\\w-]+|[0-9a-f]{8}-[0-9a-f-]{27,}[\\w-]*') END"},
+    "kv_load_recovered": {},
+    "skip_post_processing": {"request_id": _S.format(1)},
+    "skip_remote_pull": {"request_id": _S.format(1), "remote_tokens": _I.format(2), "threshold": _I.format(3)},
+    "matched_tokens": {},
+    "start_load_kv": {"request_id": _S.format(1), "local_blocks": _I.format(3), "remote_blocks": _I.format(4)},
+    "read_blocks": {"block_size": _I.format(2), "request_id": _S.format(3)},
+    "finished_recving": {"request_id": _S.format(1)},
+    "finished_sending": {"request_id": _S.format(1)},
+    "request_finished_wait": {"request_id": _S.format(1)},
+    "request_finished_status": {"request_id": _S.format(1)},
+    "waiting_remote_kvs": {"request_id": _S.format(1)},
+    "invalid_params": {
+        "remote_request_id": "nullif(regexp_extract(x.g1, '''remote_request_id'': ''([^'']*)''', 1), '')"},
+    "no_connector": {},
+    "received_request": {"request_id": _S.format(1)},
+    "generated_response": {"request_id": _S.format(1), "finish_reason": _S.format(2)},
+    "added_request": {"request_id": _S.format(1)},
+    "request_failed": {"request_id": _S.format(1)},
+}
+_VLLM_COLUMNS: Final = {"request_id": "VARCHAR", "request_ids": "VARCHAR[]", "failure_type": "VARCHAR",
+                        "ctx_request_id": "VARCHAR", "ctx_remote_request_id": "VARCHAR", "threshold": "BIGINT",
+                        "ttl_s": "BIGINT", "remote_tokens": "BIGINT", "local_blocks": "BIGINT",
+                        "remote_blocks": "BIGINT", "block_size": "BIGINT", "finish_reason": "VARCHAR",
+                        "remote_request_id": "VARCHAR", "why": "VARCHAR"}
+VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *_VLLM_COLUMNS)
+
+
+def _classifiers() -> list[tuple[int, str, re.Pattern[str], str | None]]:
+    """(index, kind, pattern, first word or None) in the order classify_message tries them."""
+    by_word = [(i, k, p, vllm_log._first_word(p.pattern)) for i, (k, p, _c) in enumerate(vllm_log._CLASSIFIERS)]
+    return [c for c in by_word if c[3] is not None] + [c for c in by_word if c[3] is None]
+
+
+def _field(i: int, kind: str, regex: re.Pattern[str], col: str) -> str | None:
+    """The SQL for field ``col`` of classifier ``i`` (two patterns each say request_failed and aborted)."""
+    if kind == "request_failed" and col == "why":
+        if "internal error" in regex.pattern:
+            return "'internal error, HTTP 500'"
+        return "coalesce(nullif(x.g2, ''), 'error')"
+    if kind == "aborted" and col == "request_ids":
+        if regex.pattern.startswith("^Aborted"):
+            return ("list_filter(list_transform(regexp_split_to_array(x.g1, '[,\\s]+'), "
+                    "lambda s: trim(s, ' ''\"[]{}')), lambda s: s <> '')")
+        return "[x.g1]"
+    return _VLLM_FIELDS.get(kind, {}).get(col)
+
+
+def parse_vllm_sql() -> list[str]:
+    """Statements: ``vl`` from lines_vllm: the header, the message's kind and the fields the rules read.
+
+    Each line is read alone (a traceback or a CR-continued line is not folded into the record before it,
+    as vllm_log's parser folds them): a record is its first line."""
+    header = sql_str(_re2(vllm_log.HEADER_RE))
+    classes = [c for c in _classifiers() if c[1] in _VLLM_FIELDS or c[1] == "aborted"]
+    word = "split_part(split_part(msg, ' ', 1), '(', 1)"
+    whens = []
+    for i, _kind, regex, first in classes:
+        cond = f"regexp_matches(msg, {sql_str(_re2(regex))})"
+        whens.append(f"WHEN {word} = {sql_str(first)} AND {cond} THEN {i}" if first is not None
+                     else f"WHEN {cond} THEN {i}")
+    fields = []
+    for col, ctype in _VLLM_COLUMNS.items():
+        picks = []
+        for i, kind, regex, _first in classes:
+            expr = _field(i, kind, regex, col)
+            if expr is not None:
+                picks.append(f"WHEN {i} THEN {expr.replace('x.', f'x{i}.')}")
+        fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
+                      else f"CAST(NULL AS {ctype}) AS {col}")
+    structs = ", ".join(
+        f"CASE WHEN k = {i} THEN regexp_extract(msg, {sql_str(_re2(regex))}, "
+        f"[{_in_ordered([f'g{g}' for g in range(1, regex.groups + 1)])}]) END AS x{i}"
+        for i, _kind, regex, _first in classes if regex.groups)
+    kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
+    ansi = sql_str(vllm_log.ANSI_RE.pattern)
+    return [
+        f"""CREATE TEMP TABLE vl_head AS SELECT f, n, h.proc AS proc, h.pid AS pid, h.lvl AS level, h.ts AS ts,
+              h.file || ':' || h.line AS fileinfo, h.msg AS msg
+            FROM (SELECT f, n, regexp_extract(t, {header}, ['proc', 'pid', 'prefix', 'lvl', 'ts', 'file', 'line',
+                                                           'msg']) AS h
+                  FROM (SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g')
+                                          ELSE t0 END AS t
+                        FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t0 FROM lines_vllm
+                              WHERE line IS NOT NULL))
+                  WHERE length(t) < {MAX_LINE_CHARS} AND regexp_matches(t, {header}))""",
+        f"""CREATE TEMP TABLE vl AS SELECT f, n,
+              left(CASE WHEN proc <> '' THEN '(' || proc || ' pid=' || pid || ') ' ELSE '' END || level || ' ' || ts
+                   || ' [' || fileinfo || '] ' || msg, 500) AS text,
+              level, ts, CASE k {kind_names} END AS kind, {', '.join(fields)}
+            FROM (SELECT *, {structs} FROM (SELECT *, {'CASE ' + ' '.join(whens) + ' END'} AS k FROM vl_head))""",
+    ]

@@ -1,0 +1,163 @@
+"""The engine's SQL parsers give the Python parsers' kinds, fields and evidence text, line for line.
+
+Every fixture log (real vLLM 0.33 lines, the INFO run, the stock run) and generated data sets: a record
+the Python parser finds is in the engine's table with the same kind, request ids and text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import duckdb
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvdiag.diagnostics import engine_parse as ep
+from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
+from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.proxy_log import parse_proxy_numbered
+from kvdiag.diagnostics.vllm_log import parse_vllm_numbered
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "logs"
+# kinds only P's stats windows read (windows.py parses those lines itself)
+WINDOW_KINDS = frozenset({"transfer_plan", "engine_config", "engine_stats", "kv_metrics"})
+
+
+def _gen_logs(out: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("gen_logs", ROOT / "benchmarks" / "gen_logs.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.generate(out, 200_000, seed=4, noise_per_turn=1)
+    return out
+
+
+def _load(con: duckdb.DuckDBPyConnection, table: str, f: int, path: Path) -> list[tuple[int, bytes]]:
+    numbered = list(enumerate(path.read_bytes().split(b"\n"), start=1))
+    if numbered and numbered[-1][1] == b"":
+        numbered.pop()
+    lines, _ = ep.lines_arrow(f, numbered, LineStats(), str(path), json=table == "lines_json")
+    con.register("new_lines", lines)
+    con.execute(f"INSERT INTO {table} SELECT * FROM new_lines")
+    con.unregister("new_lines")
+    return numbered
+
+
+def _engine(files: list[Path]) -> tuple[duckdb.DuckDBPyConnection, dict[int, list[tuple[int, bytes]]]]:
+    con = duckdb.connect()
+    ep.create_line_tables(con)
+    loaded = {}
+    for f, path in enumerate(files):
+        table = ("lines_proxy" if "proxy" in path.name else "lines_json" if path.suffix in (".json", ".jsonl")
+                 else "lines_vllm")
+        loaded[f] = _load(con, table, f, path)
+    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.parse_vllm_sql()):
+        con.execute(q)
+    ep.read_odd_json(con, {f: str(p) for f, p in enumerate(files)}, LineStats())
+    return con, loaded
+
+
+def _inputs(tmp_path: Path) -> list[Path]:
+    files = sorted(p for p in FIXTURES.rglob("*") if p.is_file() and p.suffix in (".log", ".json", ".jsonl")
+                   and "console" not in p.name and p.name != "vllm_real_lines.log")
+    files.append(FIXTURES / "vllm_real_lines.log")
+    return files + sorted(p for p in _gen_logs(tmp_path / "gen").iterdir())
+
+
+def test_vllm_and_proxy_records_equal_the_python_parsers(tmp_path: Path) -> None:
+    files = _inputs(tmp_path)
+    con, loaded = _engine(files)
+    vl = {(f, n): (kind, rid, list(rids or []), text) for f, n, kind, rid, rids, text in
+          con.execute("SELECT f, n, kind, request_id, request_ids, text FROM vl").fetchall()}
+    pl = {(row[0], row[1]): row[2:] for row in con.execute(
+        "SELECT f, n, kind, rid, conv, remote, age, ttl, why, ms, detail, p, text FROM pl").fetchall()}
+    seen = {"vllm": 0, "proxy": 0}
+    for f, path in enumerate(files):
+        if "proxy" in path.name:
+            for prec in parse_proxy_numbered(loaded[f], str(path)):
+                fl = prec.fields
+                want = (prec.kind, fl.get("rid"), fl.get("conv"), fl.get("remote"), fl.get("age"), fl.get("ttl"),
+                        fl.get("why") or None, fl.get("ms"), fl.get("detail"), fl.get("p"), prec.text)
+                assert pl.get((f, prec.lineno)) == want, (path, prec.lineno)
+                seen["proxy"] += 1
+        elif path.suffix == ".log":
+            for rec in parse_vllm_numbered(loaded[f], str(path)):
+                if "\n" in rec.msg:  # the engine reads a record's first line alone (a traceback follows)
+                    continue
+                kind = None if rec.kind in WINDOW_KINDS else rec.kind
+                got = vl.get((f, rec.lineno))
+                assert got is not None and got[0] == kind and got[3] == rec.text, (path, rec.lineno, got)
+                if kind is not None:
+                    assert got[1] == rec.fields.get("request_id"), (path, rec.lineno)
+                    assert got[2] == list(rec.fields.get("request_ids", [])), (path, rec.lineno)
+                seen["vllm"] += 1
+    assert seen["vllm"] > 300 and seen["proxy"] > 200
+
+
+def test_json_records_equal_json_logs(tmp_path: Path) -> None:
+    files = [p for p in _inputs(tmp_path) if p.suffix in (".json", ".jsonl") and p.suffix != ".json"]
+    bad = tmp_path / "odd.jsonl"
+    good = {"v": 1, "ts": 1.0, "source": "router", "event": "router_turn", "conversation_id": "c", "turn": 2,
+            "request_id": "r", "outcome": "remote_hit"}
+    bad.write_text("\n".join([json.dumps(good), '{"v": 1, "ts": trunc', json.dumps({**good, "turn": 0}),
+                              json.dumps({**good, "extra": 1}), json.dumps([{"conversation_id": "a", "ttft_ms": 1}]),
+                              json.dumps({"conversation_id": 7, "ttft_ms": True}), "", "  "]) + "\n")
+    files.append(bad)
+    con, loaded = _engine(files)
+    ev = {(f, n): (src, conv, turn, rid, outcome, text) for f, n, src, conv, turn, rid, outcome, text in con.execute(
+        "SELECT f, n, source, conversation_id, turn, request_id, outcome, text FROM ev").fetchall()}
+    cs = {(row[0], row[1]): row[2:] for row in con.execute(
+        "SELECT f, n, conversation_id, ttft_ms, input_num_turns, turn, request_id, text FROM cs").fetchall()}
+    for f, path in enumerate(files):
+        want_ev, want_cs = {}, {}
+        for rec in parse_json_numbered(loaded[f], str(path)):
+            if isinstance(rec, EventRecord):
+                e = rec.event
+                want_ev[(f, rec.lineno)] = (e.source, e.conversation_id, e.turn, e.request_id, e.outcome, rec.text)
+            elif isinstance(rec, ClientStat):
+                want_cs.setdefault((f, rec.lineno), (rec.conversation_id, rec.ttft_ms, rec.input_num_turns,
+                                                     rec.turn, rec.request_id, rec.text))
+        assert {k: v for k, v in ev.items() if k[0] == f} == want_ev, path
+        assert {k: v for k, v in cs.items() if k[0] == f} == want_cs, path
+
+
+_ID = st.text(st.sampled_from("ab9_-.:()=x/é"), min_size=1, max_size=8)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from([
+    "Declining expired remote read for {r} from engine e-1.", "Skipping remote pull for {r}: 40 remote tokens < "
+    "threshold 64", "Failing 1 request(s) due to KV load failure (failure_policy=fail, 12 tokens affected). "
+    "Request IDs: {{'{r}'}}", "Aborted request(s) {r}, {r}x.", "Request {r} aborted.", "Request {r} failed (boom).",
+    "Request {r} failed with an internal error during generation", "Generated response {r}: output: 'x', "
+    "finish_reason: error", "NIXL transfer failure: handshake_failed | Context: {{'request_id': '{r}', "
+    "'remote_request_id': 'x'}}", "{r} is still in WAITING_FOR_REMOTE_KVS state.", "start_load_kv for request {r} "
+    "from remote engine e. Num local_block_ids: 0. Num remote_block_ids: 3", "Received request {r}: params"]),
+    _ID, st.booleans()), min_size=1, max_size=10))
+def test_vllm_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, str, bool]]) -> None:
+    coloured = "\x1b[32mINFO\x1b[0m"
+    lines = [(f"(EngineCore_DP0 pid=1) {coloured if colour else 'ERROR'} 11-29 06:54:50 "
+              f"[base.py:1] " + t.format(r=r)) for t, r, colour in rows]
+    path = tmp_path / "prefill.log"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    con, loaded = _engine([path])
+    got = {n: (kind, rid, list(rids or [])) for n, kind, rid, rids in
+           con.execute("SELECT n, kind, request_id, request_ids FROM vl").fetchall()}
+    for rec in parse_vllm_numbered(loaded[0], str(path)):
+        assert got[rec.lineno] == (rec.kind, rec.fields.get("request_id"), list(rec.fields.get("request_ids", []))), \
+            (rec.msg, got[rec.lineno])
+
+
+@pytest.mark.parametrize("line", ["plain", "caf\xe9 \u2603"])
+def test_lines_are_numbered_as_grep_numbers_them(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "x.log"
+    path.write_text(f"{line}\n\n{line}\n   \n{line}", encoding="utf-8")
+    con = duckdb.connect()
+    ep.create_line_tables(con)
+    con.execute(ep.read_lines_sql("lines_vllm", 0, str(path)))
+    rows = con.execute("SELECT n, line FROM lines_vllm ORDER BY n").fetchall()
+    assert [(n, text) for n, text in rows if text and text.strip()] == [(1, line), (3, line), (5, line)]
