@@ -1,0 +1,359 @@
+"""The verdict engine: log lines in, one row per turn out (verdict, confidence, reason, evidence, numbers).
+
+One pipeline in DuckDB for every path (explain for one conversation, explain ``--all``, report, advise):
+
+    lines ──► engine_parse (records) ──► engine_join (turns) ──► engine_facts (facts) ──► rules.RULES
+
+Whole files are read by DuckDB; vLLM logs through a prefilter (grep: only lines whose message can be a
+kind the rules read); one conversation's lines through the id prefilters explain.py runs. Turns that only
+P's stats windows can decide get them from windows.py (a Python ledger over P's stat lines), and the
+rules run again with its findings. Python does only what parsing needs: lines DuckDB cannot split the way
+grep does, odd JSON lines, and the windows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Final
+
+import duckdb
+import pyarrow as pa
+
+from kvdiag.diagnostics import engine_parse as ep
+from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
+from kvdiag.diagnostics.engine_facts import facts_sql
+from kvdiag.diagnostics.engine_join import join_sql
+from kvdiag.diagnostics.json_logs import parse_json_document
+from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
+from kvdiag.diagnostics.scan import GREP, grep_ere, grep_regex
+
+# vLLM lines the rules can read, by their message's first letters (after the header's "] "); grep keeps them
+# at C speed and numbers them as the engine does (by "\n").
+VLLM_MESSAGE_STARTS: Final = ("Bidirectional KV transfer", "Declining expired", "Releasing expired",
+                              "Potentially invalid", "NIXL", "Failing", "Recovered from", "Skipping", "start_load_kv",
+                              "Remote agent", "Finished", "Got ", "Generated response", "Aborted request", "Request ",
+                              "Received request", "Added request", "chatcmpl-", "cmpl-")
+VLLM_PREFILTER: Final = r"\] (" + "|".join(re.escape(s).replace("\\ ", " ") for s in VLLM_MESSAGE_STARTS) + ")"
+_JSON_FORMATS: Final = ("events", "client_stats")
+_TABLES: Final = {"events": "lines_json", "client_stats": "lines_json", "proxy": "lines_proxy", "vllm": "lines_vllm"}
+
+
+class EngineError(Exception):
+    """The inputs cannot be read; the message names the file."""
+
+
+@dataclass
+class Run:
+    """One engine run's DuckDB connection and what it read."""
+
+    files: list[LogFile]
+    con: duckdb.DuckDBPyConnection
+    stats: LineStats = field(default_factory=LineStats)
+    only: str | None = None
+
+    @property
+    def paths(self) -> dict[int, str]:
+        """File index -> path."""
+        return {f: lf.path for f, lf in enumerate(self.files)}
+
+
+def connect() -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection for one run (memory bounded: it spills to disk past the limit)."""
+    con = duckdb.connect(config={"preserve_insertion_order": True})
+    limit = os.environ.get("KVDIAG_MEMORY_LIMIT")
+    if limit:
+        con.execute(f"SET memory_limit = {ep.sql_str(limit)}")
+    con.execute("SET arrow_large_buffer_size = true")
+    return con
+
+
+def new_run(files: list[LogFile], only: str | None = None) -> Run:
+    """A run over ``files`` (detect()'s order is the reading order)."""
+    con = connect()
+    ep.create_line_tables(con)
+    con.execute("CREATE TEMP TABLE files (f INTEGER, path VARCHAR, fmt VARCHAR, role VARCHAR)")
+    con.executemany("INSERT INTO files VALUES (?, ?, ?, ?)",
+                    [(f, lf.path, lf.fmt, lf.role) for f, lf in enumerate(files)])
+    return Run(files=files, con=con, only=only)
+
+
+def add_lines(run: Run, f: int, numbered: Iterable[tuple[int, bytes | str]]) -> None:
+    """Lines of file ``f`` that Python read (a prefilter's, a compressed file's)."""
+    lf = run.files[f]
+    table, _notes = ep.lines_arrow(f, numbered, run.stats, lf.path, json=lf.fmt in _JSON_FORMATS)
+    _insert(run.con, _TABLES[lf.fmt], table)
+    if _notes:
+        run.con.executemany("INSERT INTO notes VALUES (?, ?, ?)", _notes)
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
+    name = f"new_{table}"
+    con.register(name, rows)
+    try:
+        con.execute(f"INSERT INTO {table} SELECT * FROM {name}")
+    finally:
+        con.unregister(name)
+
+
+def _plain(path: str) -> bool:
+    """True when DuckDB can read the file line for line as grep numbers it: not compressed, no carriage
+    return (DuckDB also ends a line at a lone CR)."""
+    if path.endswith(".gz"):
+        return False
+    try:
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size == 0:
+                return True
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                return mm[:2] != b"\x1f\x8b" and mm.find(b"\r") < 0
+    except OSError as exc:
+        raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def read_all_lines(path: str, progress: Callable[[int], None] | None = None) -> Iterator[tuple[int, bytes]]:
+    """Every line with its number, split at ``\\n`` only (the file's last line counts without one)."""
+    lineno = 0
+    tail = b""
+    try:
+        with open_binary(path) as fh:
+            while block := fh.read(8 << 20):
+                if progress is not None:
+                    progress(len(block))
+                parts = (tail + block).split(b"\n")
+                tail = parts.pop()
+                for line in parts:
+                    lineno += 1
+                    yield lineno, line
+    except (OSError, EOFError) as exc:
+        raise LogReadError(f"cannot read {path}: {exc}") from None
+    if tail:
+        yield lineno + 1, tail
+
+
+def vllm_lines(path: str, progress: Callable[[int], None] | None = None) -> Iterator[tuple[int, bytes]]:
+    """The lines of a vLLM log the rules can read (VLLM_PREFILTER), numbered."""
+    if GREP is not None and not path.endswith(".gz"):
+        yield from grep_ere(path, VLLM_PREFILTER, progress)
+        return
+    yield from grep_regex(path, re.compile(VLLM_PREFILTER.encode()), progress)
+
+
+def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
+    """Every input line into the lines tables: whole JSON and proxy files by DuckDB (Python where it cannot),
+    vLLM logs through the prefilter (grep, beside DuckDB's scans)."""
+    engine_logs = [f for f, lf in enumerate(run.files) if lf.fmt == "vllm"]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 4))) as pool:
+        kept = {f: pool.submit(lambda p: list(vllm_lines(p, progress)), run.files[f].path) for f in engine_logs}
+        for f, lf in enumerate(run.files):
+            if lf.fmt in ("unknown", "vllm"):
+                if lf.fmt == "unknown":
+                    run.stats.unrecognised_files.append(lf.path)
+                    if progress is not None:
+                        progress(lf.size)
+                continue
+            if lf.fmt == "client_stats" and is_json_document(lf.path):
+                _add_document(run, f)
+                continue
+            if _plain(lf.path):
+                try:
+                    run.con.execute(ep.read_lines_sql(_TABLES[lf.fmt], f, lf.path))
+                    if progress is not None:
+                        progress(lf.size)
+                    continue
+                except (duckdb.InvalidInputException, duckdb.ConversionException):
+                    run.con.execute(f"DELETE FROM {_TABLES[lf.fmt]} WHERE f = {f}")  # invalid UTF-8: Python decodes
+            add_lines(run, f, read_all_lines(lf.path, progress))
+        for f, fut in kept.items():
+            try:
+                add_lines(run, f, fut.result())
+            except (OSError, EOFError) as exc:
+                raise LogReadError(f"cannot read {run.files[f].path}: {exc}") from None
+
+
+def is_json_document(path: str) -> bool:
+    """True for a client-statistics file that is one JSON document (an array), not JSON lines."""
+    with open_binary(path) as fh:
+        return fh.read(4096).lstrip().startswith(b"[")
+
+
+def _add_document(run: Run, f: int) -> None:
+    path = run.files[f].path
+    try:
+        with open_binary(path) as fh:
+            data = fh.read()
+    except (OSError, EOFError) as exc:
+        raise LogReadError(f"cannot read {path}: {exc}") from None
+    run.con.execute("CREATE TEMP TABLE IF NOT EXISTS cs_doc AS SELECT * FROM (SELECT NULL::INTEGER AS f, "
+                    "NULL::BIGINT AS n, NULL::VARCHAR AS text, NULL::VARCHAR AS conversation_id, NULL::DOUBLE AS "
+                    "ttft_ms, NULL::DOUBLE AS latency_ms, NULL::DOUBLE AS start_time_ms, NULL::BIGINT AS "
+                    "input_num_turns, NULL::BIGINT AS input_num_tokens, NULL::BIGINT AS output_num_tokens, "
+                    "NULL::BIGINT AS turn, NULL::VARCHAR AS request_id) WHERE false")
+    rows = [(f, r.lineno, r.text, r.conversation_id, r.ttft_ms, r.latency_ms, r.start_time_ms, r.input_num_turns,
+             r.input_num_tokens, r.output_num_tokens, r.turn, r.request_id)
+            for r in parse_json_document(data, path, run.stats)]
+    if rows:
+        run.con.executemany("INSERT INTO cs_doc VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+
+def parse(run: Run) -> None:
+    """Lines into record tables (engine_parse), odd JSON lines through json_logs."""
+    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.parse_vllm_sql()):
+        run.con.execute(q)
+    if run.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'cs_doc'").fetchall()[0][0]:
+        run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
+    ep.read_odd_json(run.con, run.paths, run.stats)
+
+
+CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS SELECT
+  EXISTS (SELECT 1 FROM files WHERE fmt = 'client_stats') OR EXISTS (SELECT 1 FROM ev WHERE source = 'client')
+    AS ctx_has_client,
+  EXISTS (SELECT 1 FROM files WHERE fmt = 'proxy') OR EXISTS (SELECT 1 FROM ev WHERE source = 'router')
+    AS ctx_has_router,
+  EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'prefill') OR EXISTS (SELECT 1 FROM ev
+    WHERE source = 'prefill') AS ctx_has_prefill,
+  EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'decode') OR EXISTS (SELECT 1 FROM ev
+    WHERE source = 'decode') AS ctx_has_decode,
+  coalesce((SELECT arg_max(attr_bidir, (f, n)) FROM ev WHERE event = 'engine_start' AND source = 'prefill'
+              AND attr_bidir IS NOT NULL),
+           CASE WHEN EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'prefill') THEN EXISTS (SELECT 1
+             FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'prefill') END) AS ctx_p_bidir,
+  coalesce((SELECT arg_max(attr_bidir, (f, n)) FROM ev WHERE event = 'engine_start' AND source = 'decode'
+              AND attr_bidir IS NOT NULL),
+           CASE WHEN EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'decode') THEN EXISTS (SELECT 1
+             FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'decode') END) AS ctx_d_bidir,
+  EXISTS (SELECT 1 FROM vl_r WHERE role = 'prefill' AND level = 'DEBUG') AS ctx_p_debug,
+  (SELECT arg_max(threshold, (f, n)) FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'prefill') AS ctx_threshold,
+  coalesce((SELECT arg_max(coalesce(ttl_s, attr_ttl), (f, n)) FROM ev WHERE (event = 'kv_retained' AND ttl_s IS NOT
+              NULL) OR (event = 'engine_start' AND source = 'decode' AND attr_ttl IS NOT NULL)),
+           (SELECT arg_max(ttl_s, (f, n)) FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'decode'
+              AND ttl_s IS NOT NULL)::DOUBLE) AS ctx_decode_ttl,
+  coalesce((SELECT arg_max(attr_block_size, (f, n)) FROM ev WHERE event = 'engine_start'
+              AND attr_block_size IS NOT NULL),
+           (SELECT arg_max(block_size, (f, n)) FROM vl_r WHERE kind = 'read_blocks'), {DEFAULT_BLOCK_SIZE})
+    AS ctx_block_size,
+  (SELECT arg_max(TRY_CAST(ttl AS DOUBLE), seq) FROM plc WHERE kind = 'stale') AS ctx_router_ttl"""
+
+# Each turn with its conversation's previous turn and the facts the rules derive from several columns.
+TURNS_SQL: Final = """CREATE TEMP TABLE tf AS
+WITH base AS (SELECT t.*, ctx.*, t.px_seq IS NOT NULL AS has_px,
+    coalesce(t.has_events, false) AS has_ev,
+    CASE WHEN coalesce(t.has_events, false) THEN coalesce(t.client_ok, false)
+         ELSE coalesce(t.px_has_stored, false) OR (t.has_stat AND NOT (t.px_seq IS NOT NULL
+              AND NOT coalesce(t.px_has_stored, false) AND NOT coalesce(t.px_done, false))) END AS answered
+  FROM turn_facts t, ctx),
+f AS (SELECT *, CASE WHEN answered THEN NULL ELSE coalesce(ev_failed_why, vl_failed_why, px_failed_why) END
+    AS failed_why,
+    CASE WHEN answered THEN NULL WHEN ev_failed_why IS NOT NULL THEN ev_failed_ref
+         WHEN vl_failed_why IS NOT NULL THEN vl_failed_ref ELSE px_failed_ref END AS failed_ref,
+    CASE WHEN has_ev THEN client_ok_ref ELSE coalesce(stat_ref, px_stored) END AS answer_proof,
+    epoch(TRY_CAST(left(px_first_ts, 10) AS DATE)) + TRY_CAST(substr(px_first_ts, 12, 2) AS INTEGER) * 3600
+      + TRY_CAST(substr(px_first_ts, 15, 2) AS INTEGER) * 60 + TRY_CAST(substr(px_first_ts, 18, 2) AS INTEGER)
+      AS px_start
+  FROM base),
+o AS (SELECT *, row_number() OVER w AS pos,
+    lag(sid) OVER w AS prev_sid, lag(turn) OVER w AS prev_turn, lag(px_stored) OVER w AS prev_stored,
+    coalesce(lag(px_has_stored) OVER w, false) AS prev_has_stored,
+    lag(px_not_stored) OVER w AS prev_not_stored, coalesce(lag(px_has_not_stored) OVER w, false)
+      AS prev_has_not_stored, lag(px_not_stored_why) OVER w AS prev_not_stored_why, lag(aborted) OVER w AS prev_aborted,
+    lag(failed_why) OVER w AS prev_failed_why, lag(failed_ref) OVER w AS prev_failed_ref,
+    lag(px_first) OVER w AS prev_px_first, lag(has_px) OVER w AS prev_has_px, lag(stored_seq) OVER w AS prev_stored_seq,
+    lag(px_seq) OVER w AS prev_px_seq, lag(s_input_num_tokens) OVER w AS prev_s_input_num_tokens,
+    lag(s_output_num_tokens) OVER w AS prev_s_output_num_tokens, lag(stat_ref) OVER w AS prev_stat_ref,
+    lag(s_start_time_ms) OVER w AS prev_s_start_time_ms, lag(s_latency_ms) OVER w AS prev_s_latency_ms,
+    coalesce(bool_and((failed_why IS NOT NULL OR (has_px AND NOT coalesce(px_has_stored, false)
+                                                  AND NOT coalesce(px_done, false)))
+                      AND NOT coalesce(px_has_stored, false))
+             OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false) AS earlier_all_failed
+  FROM f WINDOW w AS (PARTITION BY conversation_id ORDER BY turn, coalesce(px_seq, 0), sid))
+SELECT o.*,
+  coalesce(c_ttft_ms, s_ttft_ms, e_ttft_ms) AS ttft_ms,
+  coalesce(c_prompt_tokens, s_input_num_tokens, e_prompt_tokens) AS prompt_tokens,
+  coalesce(c_completion_tokens, s_output_num_tokens, e_completion_tokens) AS completion_tokens,
+  coalesce(c_latency_ms, s_latency_ms, e_latency_ms) AS latency_ms,
+  coalesce(e_ts, CASE WHEN s_start_time_ms >= 1e12 THEN s_start_time_ms / 1000.0 END, px_start) AS start_ts,
+  coalesce(e_prefill_ms, px_prefill_ms) AS prefill_ms,
+  coalesce(e_entry_age_s, TRY_CAST(px_age AS DOUBLE)) AS entry_age_s,
+  coalesce(c_status, bad_status, first_status) AS status, e_remote_tokens AS remote_tokens,
+  e_local_hit_tokens AS local_hit_tokens, e_remote_offered_tokens AS remote_offered_tokens,
+  e_computed_tokens AS computed_tokens, e_transfer_bytes AS transfer_bytes, e_transfer_ms AS transfer_ms,
+  e_failure_type AS failure_type, e_model AS model, e_handle_tokens AS handle_tokens,
+  e_reuse_limit_tokens AS reuse_limit_tokens, e_trimmed_tokens AS trimmed_tokens, e_trim_reason AS trim_reason,
+  e_wrong_kv_tokens AS wrong_kv_tokens, e_mismatch_tokens AS mismatch_tokens, e_gap_s AS ev_gap_s,
+  turn = 1 AND prev_sid IS NULL AND (has_px OR (has_stat AND coalesce(s_input_num_turns, 1) <= 2)) AS is_first,
+  coalesce(prev_has_px AND has_px AND prev_stored_seq IS NOT NULL AND prev_stored_seq > px_seq, false)
+    AS is_concurrent,
+  CASE WHEN prev_has_px AND has_px THEN (SELECT arg_min(CASE WHEN r.src IS NOT NULL THEN {'source': r.src, 'text':
+      left(r.text, 300)} END, r.seq) FROM pl_r r WHERE r.kind = 'ready' AND r.f = o.px_last_f
+      AND r.seq > coalesce(o.prev_stored_seq, o.prev_px_seq) AND r.seq < o.px_seq) END AS restart_ref,
+  CASE WHEN prev_sid IS NOT NULL AND prev_s_start_time_ms IS NOT NULL AND prev_s_latency_ms IS NOT NULL
+       AND s_start_time_ms IS NOT NULL
+       AND (s_start_time_ms - prev_s_start_time_ms - prev_s_latency_ms) / 1000.0 >= 0
+       THEN (s_start_time_ms - prev_s_start_time_ms - prev_s_latency_ms) / 1000.0 END AS client_gap
+FROM o"""
+
+WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, "
+                         "w_refs STRUCT(source VARCHAR, text VARCHAR)[], "
+                         "w_rejected STRUCT(source VARCHAR, text VARCHAR), w_prefix_caching BOOLEAN, "
+                         "w_recovered BOOLEAN, w_caching_ref STRUCT(source VARCHAR, text VARCHAR)")
+
+
+def decide(run: Run) -> None:
+    """Correlate, collect the facts and apply the rules: ``decided`` (one row per turn)."""
+    for q in (*join_sql(run.only), *facts_sql(), CONTEXT_SQL, TURNS_SQL):
+        run.con.execute(q)
+    run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
+    _decide_with_windows(run)
+
+
+def _decide_with_windows(run: Run) -> None:
+    run.con.execute("""CREATE OR REPLACE TEMP VIEW tfw AS SELECT tf.*, coalesce(w.w_found, false) AS w_found,
+        w.w_read, w.w_why, coalesce(w.w_refs, []) AS w_refs, w.w_rejected, w.w_prefix_caching,
+        coalesce(w.w_recovered, false) AS w_recovered, w.w_caching_ref
+      FROM tf LEFT JOIN wfind w ON w.rid = tf.px_rid""")
+    run.con.execute("CREATE OR REPLACE TEMP TABLE decided AS " + decide_sql("tfw"))
+
+
+def wanted_windows(run: Run) -> list[str]:
+    """Request ids of the turns only P's stats windows can decide."""
+    return [r for (r,) in run.con.execute("SELECT px_rid FROM decided WHERE wants_windows AND px_rid IS NOT NULL "
+                                          "ORDER BY px_rid").fetchall()]
+
+
+def apply_windows(run: Run, findings: Sequence[tuple[object, ...]]) -> None:
+    """Decide again with P's stats-window findings (rows of WINDOW_COLUMNS after the request id)."""
+    run.con.execute("DELETE FROM wfind")
+    if findings:
+        run.con.executemany(f"INSERT INTO wfind VALUES ({', '.join('?' for _ in range(9))})", list(findings))
+    _decide_with_windows(run)
+
+
+@contextlib.contextmanager
+def opened(files: list[LogFile], only: str | None = None) -> Iterator[Run]:
+    """A run over ``files``, closed afterwards."""
+    run = new_run(files, only)
+    try:
+        yield run
+    finally:
+        run.con.close()
+
+
+RECORD_COLUMNS: Final = (
+    "conversation_id", "turn", "request_id", "start_ts", "ttft_ms", "latency_ms", "prompt_tokens",
+    "completion_tokens", "local_hit_tokens", "remote_offered_tokens", "remote_tokens", "computed_tokens",
+    "transfer_bytes", "transfer_ms", "prefill_ms", "ev_gap_s", "client_gap", "prev_sid", "entry_age_s", "status",
+    "failure_type", "prefill_request_id", "decode_request_id", "model", "handle_tokens", "reuse_limit_tokens",
+    "trimmed_tokens", "trim_reason", "wrong_kv_tokens", "mismatch_tokens", "verdict", "confidence", "reason",
+    "evidence", "pos")
+
+
+def decided_rows(run: Run) -> pa.Table:
+    """The decided turns, in conversation order (the columns TurnRecord and the turn table read)."""
+    return run.con.sql(f"SELECT {', '.join(RECORD_COLUMNS)} FROM decided ORDER BY conversation_id, pos"
+                       ).to_arrow_table()

@@ -1,0 +1,280 @@
+"""The records of one turn joined by ids, in DuckDB: the verdict engine's correlator.
+
+conversation_id → router X-Request-Id (proxy ``[rid]``, events ``request_id``) → engine external id
+``chatcmpl-<rid>`` → internal ``chatcmpl-<rid>-<8>`` → D's internal id is the ``remote_request_id``
+handed to P next turn. Hashed conversation ids (router ``--hash-ids``: sha256 hex prefixes) join too.
+vLLM timestamps are never used to join.
+
+Each turn is a *slot* (``slots``: ``sid``, conversation, turn, request id); every record that belongs to a
+turn gets its slot: ``ev_slot``, ``px_req`` (the proxy's requests), ``cs_slot``, ``vl_slot``. The order
+a slot is made in (``sid``) breaks ties as the conversation's turns are ordered. How records find their
+turn, in this order:
+
+1. turn events (router, then client) by request id, else by conversation and turn; a client event whose
+   request id no router event has joins the one turn of its conversation and number that has only a
+   router event (a failed request's client record may carry another id);
+2. the proxy's requests by request id, else in order per conversation (the k-th request is turn k,
+   unless an event already holds that turn number: then after the last turn);
+3. client statistics by request id, else the k-th record of a conversation (by messages sent, then start
+   time) is its k-th turn (after the turns the benchmark's ``--warmup-step`` left unmeasured), else a turn
+   of their own by their number;
+4. engine events and vLLM lines by the request ids they name (D's release lines by the handle offered).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from kvdiag.diagnostics.conversation_ids import HASH_PREFIX_LENGTHS
+from kvdiag.diagnostics.engine_parse import sql_str
+
+# vLLM kinds only a prefill (reader) engine logs: they tell a file's role when its name does not.
+PREFILL_KINDS: Final = ("declining_expired", "skip_remote_pull")
+
+MACROS: Final = (
+    # vllm_log.header_request_id: drop a "-<8 alphanumerics>" suffix, then a chatcmpl-/cmpl- prefix
+    """CREATE OR REPLACE TEMP MACRO ext_id(x) AS CASE WHEN length(x) > 9 AND substr(x, length(x) - 8, 1) = '-'
+         AND regexp_full_match(right(x, 8), '[0-9a-zA-Z]{8}') THEN left(x, length(x) - 9) ELSE x END""",
+    """CREATE OR REPLACE TEMP MACRO hrid(x) AS CASE WHEN starts_with(ext_id(x), 'chatcmpl-') THEN substr(ext_id(x), 10)
+         WHEN starts_with(ext_id(x), 'cmpl-') THEN substr(ext_id(x), 6) ELSE ext_id(x) END""",
+)
+
+_TAG_RE: Final = "|".join(f"[0-9a-f]{{{n}}}" for n in HASH_PREFIX_LENGTHS)
+
+
+def join_sql(only: str | None) -> list[str]:
+    """The statements that build the slots and every record's slot (``only``: one conversation's turns)."""
+    only_sql = "true" if only is None else f"cconv = {sql_str(only)}"
+    lengths = " UNION ALL ".join(f"SELECT {n} AS len" for n in HASH_PREFIX_LENGTHS)
+    return [
+        *MACROS,
+        # roles: a vLLM file's name, else P's own lines
+        f"""CREATE TEMP TABLE froles AS SELECT fl.f, fl.path, fl.fmt, coalesce(fl.role, CASE WHEN fl.fmt = 'vllm' AND
+              EXISTS (SELECT 1 FROM vl WHERE vl.f = fl.f AND vl.kind IN ({", ".join(map(sql_str, PREFILL_KINDS))}))
+              THEN 'prefill' END) AS role FROM files fl""",
+        # hashed tags of the conversation ids events and statistics name (only where some logged id looks like one)
+        f"""CREATE TEMP TABLE known_ids AS SELECT DISTINCT conversation_id AS id FROM (
+              SELECT conversation_id FROM ev WHERE conversation_id IS NOT NULL
+              UNION ALL SELECT conversation_id FROM cs WHERE conversation_id IS NOT NULL
+              {"" if only is None else f"UNION ALL SELECT {sql_str(only)}"})""",
+        f"""CREATE TEMP TABLE tag_map AS
+            WITH logged AS (SELECT DISTINCT conversation_id AS tag FROM ev WHERE regexp_full_match(conversation_id,
+                              '{_TAG_RE}')
+                            UNION SELECT DISTINCT conv FROM pl WHERE regexp_full_match(conv, '{_TAG_RE}'))
+            SELECT tag, min(id) AS conv FROM (
+              SELECT k.id, left(sha256(k.id), l.len) AS tag FROM known_ids k, ({lengths}) l
+              WHERE EXISTS (SELECT 1 FROM logged)) t
+            WHERE tag IN (SELECT tag FROM logged) AND tag <> id GROUP BY tag""",
+        """CREATE TEMP TABLE evc AS SELECT ev.*, coalesce(m.conv, ev.conversation_id) AS cconv
+           FROM ev LEFT JOIN tag_map m ON m.tag = ev.conversation_id""",
+        """CREATE TEMP TABLE plc AS SELECT pl.*, coalesce(m.conv, pl.conv) AS cconv,
+             row_number() OVER (ORDER BY pl.f, pl.n) AS seq
+           FROM pl LEFT JOIN tag_map m ON m.tag = pl.conv""",
+        # ---- 1. turn events: router (pass 0), client events their router names (1), other client events (2)
+        f"""CREATE TEMP TABLE tev AS SELECT *, row_number() OVER (ORDER BY pass, f, n) AS pord FROM (
+              SELECT evc.*, CASE WHEN source = 'router' THEN 0
+                WHEN request_id IN (SELECT request_id FROM evc WHERE source = 'router' AND request_id IS NOT NULL)
+                THEN 1 ELSE 2 END AS pass
+              FROM evc WHERE source IN ('router', 'client') AND cconv IS NOT NULL AND turn IS NOT NULL
+                AND {only_sql})""",
+        # a router-only turn of a conversation and number takes the first other client event of it
+        """CREATE TEMP TABLE rid_first AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
+             arg_min(turn, pord) AS turn, min(pord) AS pord FROM tev WHERE pass < 2 AND request_id IS NOT NULL
+           GROUP BY request_id""",
+        """CREATE TEMP TABLE lone AS SELECT r.conv, r.turn, min(r.rid) AS rid FROM rid_first r
+           WHERE EXISTS (SELECT 1 FROM tev WHERE tev.request_id = r.rid AND tev.pass = 0)
+             AND NOT EXISTS (SELECT 1 FROM tev WHERE tev.request_id = r.rid AND tev.pass = 1)
+           GROUP BY r.conv, r.turn HAVING count(*) = 1""",
+        """CREATE TEMP TABLE lone_taken AS SELECT t.f, t.n, l.rid FROM (
+             SELECT f, n, cconv, turn, row_number() OVER (PARTITION BY cconv, turn ORDER BY pord) AS k FROM tev
+             WHERE pass = 2) t JOIN lone l ON l.conv = t.cconv AND l.turn = t.turn WHERE t.k = 1""",
+        # slots made by events: one per request id (its first event's conversation and turn), one per
+        # conversation and number for events without a request id
+        """CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord,
+             CASE WHEN lt.rid IS NOT NULL THEN lt.rid ELSE t.request_id END AS rid, t.cconv, t.turn
+           FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n""",
+        """CREATE TEMP TABLE slot_src AS
+           SELECT rid, arg_min(cconv, pord) AS conv, arg_min(turn, pord) AS turn, min(pord) AS ord, 0 AS stage
+             FROM ev_slot_key WHERE rid IS NOT NULL GROUP BY rid
+           UNION ALL SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL GROUP BY cconv, turn""",
+        # router events without a conversation or turn join by the request id
+        """CREATE TEMP TABLE ev_rid_only AS SELECT f, n, request_id AS rid FROM evc
+           WHERE source = 'router' AND (cconv IS NULL OR turn IS NULL) AND request_id IN
+             (SELECT rid FROM slot_src WHERE rid IS NOT NULL)""",
+        # ---- 2. the proxy's requests
+        *_proxy_requests_sql(only_sql),
+        # the k-th request of a conversation no event names is turn k, unless an event holds that number
+        """CREATE TEMP TABLE px_new AS
+           WITH q AS (SELECT rid, conv, seq, row_number() OVER (PARTITION BY conv ORDER BY seq) AS k FROM px_req
+                      WHERE conv IS NOT NULL),
+           taken AS (SELECT conv, turn FROM slot_src WHERE rid IS NOT NULL),
+           fresh AS (SELECT q.* FROM q WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL)),
+           pick AS (SELECT fresh.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = fresh.conv AND t.turn = fresh.k)
+                      AS clash FROM fresh)
+           SELECT rid, conv, seq, CASE WHEN NOT clash THEN k ELSE
+               greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = pick.conv), 0),
+                        coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = pick.conv AND NOT p2.clash), 0))
+               + row_number() OVER (PARTITION BY conv, clash ORDER BY seq) END AS turn
+           FROM pick""",
+        """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + seq, 1 FROM px_new""",
+        # ---- 3. client statistics
+        *_stats_sql(only),
+        # ---- slots, numbered in the order they were made
+        """CREATE TEMP TABLE slots AS SELECT row_number() OVER (ORDER BY stage, ord, conv, turn) AS sid, rid, conv, turn
+           FROM (SELECT * FROM slot_src UNION ALL SELECT rid, conv, turn, ord, stage FROM cs_new)""",
+        """CREATE TEMP TABLE by_rid AS SELECT rid, sid FROM slots WHERE rid IS NOT NULL""",
+        """CREATE TEMP TABLE ev_slot AS
+           SELECT k.f, k.n, s.sid FROM ev_slot_key k JOIN slots s ON s.rid = k.rid
+           UNION ALL SELECT k.f, k.n, s.sid FROM ev_slot_key k JOIN slots s
+             ON k.rid IS NULL AND s.rid IS NULL AND s.conv = k.cconv AND s.turn = k.turn AND s.sid IN
+               (SELECT sid FROM slots WHERE rid IS NULL)
+           UNION ALL SELECT r.f, r.n, b.sid FROM ev_rid_only r JOIN by_rid b USING (rid)""",
+        """CREATE TEMP TABLE px_slot AS SELECT p.*, b.sid FROM px_req p JOIN by_rid b USING (rid)
+           WHERE p.conv IS NOT NULL""",
+        """CREATE TEMP TABLE cs_slot AS
+           SELECT a.f, a.n, coalesce(b.sid, pl.sid, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
+             AND s.turn = a.nturn)) AS sid FROM cs_pick a
+           LEFT JOIN by_rid b ON b.rid = a.rid_match
+           LEFT JOIN (SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s ON s.conv = p.conv AND s.turn = p.turn
+                        AND s.rid IS NOT DISTINCT FROM p.rid) pl
+             ON pl.conv = a.conversation_id AND pl.k = a.place AND a.rid_match IS NULL""",
+        # ---- 4. engine events: by request id (header or engine id), else their conversation and turn
+        """CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.source, coalesce(
+              (SELECT sid FROM by_rid WHERE rid = e.request_id),
+              (SELECT sid FROM by_rid WHERE rid = hrid(e.request_id)),
+              (SELECT sid FROM by_rid WHERE rid = e.engine_request_id),
+              (SELECT sid FROM by_rid WHERE rid = hrid(e.engine_request_id))) AS sid, e.cconv, e.turn
+            FROM evc e WHERE e.source IN ('prefill', 'decode')""",
+        f"""CREATE TEMP TABLE eng_new AS SELECT DISTINCT cconv AS conv, turn FROM eng_ev
+            WHERE sid IS NULL AND cconv IS NOT NULL AND turn IS NOT NULL AND {only_sql}
+              AND NOT EXISTS (SELECT 1 FROM slots s WHERE s.rid IS NULL AND s.conv = eng_ev.cconv
+                              AND s.turn = eng_ev.turn)""",
+        """INSERT INTO slots SELECT (SELECT coalesce(max(sid), 0) FROM slots) + row_number() OVER (ORDER BY conv, turn),
+             NULL, conv, turn FROM eng_new""",
+        """CREATE TEMP TABLE eng_slot AS SELECT e.f, e.n, e.source, coalesce(e.sid, s.sid) AS sid FROM eng_ev e
+           LEFT JOIN slots s ON e.sid IS NULL AND s.rid IS NULL AND s.conv = e.cconv AND s.turn = e.turn
+           WHERE coalesce(e.sid, s.sid) IS NOT NULL""",
+        # ---- vLLM lines: D's release of the handle a turn was offered, else by the ids a line names
+        """CREATE TEMP TABLE offered AS SELECT offered_id, max(sid) AS sid FROM (
+             SELECT p.sid, p.offered AS offered_id FROM px_slot p WHERE p.offered IS NOT NULL
+             UNION ALL SELECT es.sid, arg_min(e.remote_request_id, e.n) FROM ev_slot es JOIN evc e USING (f, n)
+               WHERE e.source = 'router' AND e.remote_request_id IS NOT NULL
+                 AND es.sid NOT IN (SELECT sid FROM px_slot WHERE offered IS NOT NULL) GROUP BY es.sid)
+           GROUP BY offered_id""",
+        """CREATE TEMP TABLE vl_rids AS SELECT v.f, v.n, r.rid, r.pos FROM vl v,
+             unnest(list_concat(CASE WHEN v.request_id IS NOT NULL THEN [v.request_id] ELSE [] END,
+                                coalesce(v.request_ids, []),
+                                CASE WHEN v.ctx_request_id IS NOT NULL THEN [v.ctx_request_id] ELSE [] END))
+               WITH ORDINALITY AS r(rid, pos)
+           WHERE v.kind IS NOT NULL""",
+        """CREATE TEMP TABLE vl_slot AS
+           WITH rel AS (SELECT v.f, v.n, o.sid, CASE v.kind WHEN 'releasing_expired' THEN 'released' ELSE 'stale' END
+                          AS grp FROM vl v JOIN froles fr USING (f) JOIN offered o ON o.offered_id = v.request_id
+                        WHERE v.kind IN ('releasing_expired', 'invalid_unrecognized')
+                          AND fr.role IS DISTINCT FROM 'prefill'),
+           named AS (SELECT r.f, r.n, b.sid, min(r.pos) AS pos FROM vl_rids r JOIN by_rid b ON b.rid = hrid(r.rid)
+                     WHERE NOT EXISTS (SELECT 1 FROM rel WHERE rel.f = r.f AND rel.n = r.n)
+                     GROUP BY r.f, r.n, b.sid)
+           SELECT * FROM rel
+           UNION ALL SELECT nm.f, nm.n, nm.sid, CASE
+               WHEN fr.role = 'prefill' THEN 'p'
+               WHEN fr.role IS NULL AND (v.kind IN ('declining_expired', 'skip_remote_pull')
+                 OR (v.kind = 'nixl_failure' AND v.ctx_remote_request_id IS NOT NULL
+                     AND hrid(v.ctx_remote_request_id) IS DISTINCT FROM s.rid)) THEN 'p'
+               WHEN fr.role = 'decode' THEN 'd' ELSE 'o' END
+           FROM named nm JOIN vl v USING (f, n) JOIN froles fr USING (f) JOIN slots s ON s.sid = nm.sid""",
+    ]
+
+
+def _proxy_requests_sql(only_sql: str) -> list[str]:
+    """``px_req``: one row per proxy request id: the lines correlate's proxy pass folds into it."""
+    return [
+        # a request's defining line (sending / miss / no_handle) takes the HIT, stale or history line logged
+        # just before it for its conversation
+        """CREATE TEMP TABLE px_def AS SELECT * FROM (
+             SELECT *, lag(kind) OVER w AS head_kind, lag(f) OVER w AS head_f, lag(n) OVER w AS head_n,
+               lag(age) OVER w AS head_age, lag(ttl) OVER w AS head_ttl, lag(why) OVER w AS head_why,
+               lag(seq) OVER w AS head_seq
+             FROM plc WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL
+             WINDOW w AS (PARTITION BY cconv ORDER BY seq))
+           WHERE kind IN ('sending', 'miss', 'no_handle') AND rid IS NOT NULL""",
+        """CREATE TEMP TABLE px_first AS SELECT rid, min(seq) AS seq FROM plc WHERE rid IS NOT NULL
+             AND kind NOT IN ('cached', 'ready') GROUP BY rid""",
+        # the last defining line of a request decides its lookup (correlate overwrites it)
+        f"""CREATE TEMP TABLE px_req AS
+            WITH d AS (SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY rid ORDER BY seq DESC) AS k
+                                     FROM px_def) WHERE k = 1),
+            stored AS (SELECT hrid(c.remote) AS rid, arg_max(c.f, c.seq) AS f, arg_max(c.n, c.seq) AS n,
+                         max(c.seq) AS stored_seq FROM plc c JOIN px_first pf ON pf.rid = hrid(c.remote)
+                       WHERE c.kind = 'cached' AND c.seq > pf.seq GROUP BY hrid(c.remote))
+            SELECT pf.rid, d.cconv AS conv, pf.seq,
+              CASE WHEN d.kind = 'sending' THEN 'hit'
+                   WHEN d.kind IS NOT NULL AND d.head_kind = 'stale' THEN 'stale'
+                   WHEN d.kind IS NOT NULL THEN d.kind
+                   WHEN EXISTS (SELECT 1 FROM plc WHERE plc.rid = pf.rid AND plc.kind = 'no_conversation_id')
+                     THEN 'no_conversation_id' END AS lookup,
+              CASE WHEN d.kind = 'sending' THEN d.remote END AS offered,
+              CASE WHEN d.head_kind IN ('hit', 'stale', 'miss_head') THEN d.head_f END AS head_f,
+              CASE WHEN d.head_kind IN ('hit', 'stale', 'miss_head') THEN d.head_n END AS head_n,
+              CASE WHEN d.head_kind IN ('hit', 'stale', 'miss_head') THEN d.head_kind END AS head_kind,
+              CASE WHEN d.head_kind IN ('hit', 'stale') THEN d.head_age END AS head_age,
+              CASE WHEN d.head_kind = 'stale' THEN d.head_ttl END AS head_ttl,
+              d.f AS def_f, d.n AS def_n, d.kind AS def_kind,
+              CASE WHEN d.kind IN ('miss', 'no_handle') AND d.head_kind = 'miss_head' AND d.head_why IS NOT NULL
+                   THEN 'head' WHEN d.kind = 'miss' AND d.why IS NOT NULL THEN 'line' END AS withheld,
+              st.f AS stored_f, st.n AS stored_n, st.stored_seq
+            FROM px_first pf LEFT JOIN d ON d.rid = pf.rid LEFT JOIN stored st ON st.rid = pf.rid
+            WHERE d.cconv IS NULL OR {only_sql.replace('cconv', 'd.cconv')}""",
+        # "not caching D blocks": the request it names, else its conversation's latest request before it
+        """CREATE TEMP TABLE px_not_cached AS
+           WITH nc AS (SELECT * FROM plc WHERE kind = 'not_cached'),
+           named AS (SELECT nc.f, nc.n, nc.seq, nc.why, nc.rid FROM nc JOIN px_first pf ON pf.rid = nc.rid
+                     WHERE nc.seq > pf.seq),
+           by_conv AS (SELECT nc.f, nc.n, nc.seq, nc.why, (SELECT arg_max(d.rid, d.seq) FROM px_def d
+                         WHERE d.cconv = nc.cconv AND d.seq < nc.seq) AS rid
+                       FROM nc WHERE nc.rid IS NULL AND nc.cconv IS NOT NULL)
+           SELECT rid, arg_max(f, seq) AS f, arg_max(n, seq) AS n, arg_max(why, seq) AS why, max(seq) AS seq
+           FROM (SELECT * FROM named UNION ALL SELECT * FROM by_conv WHERE rid IS NOT NULL) GROUP BY rid""",
+    ]
+
+
+def _stats_sql(only: str | None) -> list[str]:
+    """``cs_pick``: where each client statistic goes (a request id, the k-th placed turn, or its own number)."""
+    only_sql = "true" if only is None else f"conversation_id = {sql_str(only)}"
+    return [
+        """CREATE TEMP TABLE cs_num AS SELECT cs.*, row_number() OVER (PARTITION BY conversation_id
+             ORDER BY CASE WHEN all_turns THEN 0 ELSE coalesce(input_num_turns, 0) END,
+                      CASE WHEN all_turns THEN 0.0 ELSE coalesce(start_time_ms, 0.0) END, f, n) AS k,
+             all_turns
+           FROM (SELECT *, bool_and(turn IS NOT NULL) OVER (PARTITION BY conversation_id) AS all_turns FROM cs) cs""",
+        f"""CREATE TEMP TABLE cs_first AS SELECT conversation_id, count(*) AS nstats,
+              arg_min(CASE WHEN all_turns THEN 1 WHEN input_num_turns >= 1 THEN (input_num_turns + 1) // 2 ELSE 1 END,
+                      k) AS first_turn
+            FROM cs_num WHERE {only_sql} GROUP BY conversation_id""",
+        # the turns already made, in the order correlate's _request_order gives (turn, then the proxy's order
+        # or the events' time)
+        """CREATE TEMP TABLE placed_src AS SELECT s.*, row_number() OVER (PARTITION BY conv ORDER BY turn,
+             coalesce((SELECT min(seq) FROM px_req p WHERE p.rid = s.rid AND p.conv IS NOT NULL)::DOUBLE,
+                      (SELECT min(e.ts) FROM ev_slot_key k JOIN evc e USING (f, n) WHERE k.rid = s.rid), 0.0),
+             stage, ord) AS k FROM slot_src s""",
+        """CREATE TEMP TABLE cs_pick AS
+           SELECT c.f, c.n, c.conversation_id, c.k,
+             CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) THEN c.request_id END
+               AS rid_match,
+             CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) OR c.turn IS NOT NULL
+                  THEN NULL
+                  WHEN c.k + sk.skip <= coalesce(np.nplaced, 0) THEN c.k + sk.skip END AS place,
+             CASE WHEN c.all_turns THEN c.turn ELSE c.k END AS nturn, c.request_id AS own_rid
+           FROM cs_num c JOIN cs_first cf USING (conversation_id)
+           LEFT JOIN (SELECT conv, count(*) AS nplaced FROM placed_src GROUP BY conv) np ON np.conv = c.conversation_id
+           JOIN (SELECT cf2.conversation_id, CASE WHEN coalesce(np2.nplaced, 0) > cf2.nstats
+                   THEN cf2.first_turn - 1 ELSE 0 END AS skip FROM cs_first cf2
+                 LEFT JOIN (SELECT conv, count(*) AS nplaced FROM placed_src GROUP BY conv) np2
+                   ON np2.conv = cf2.conversation_id) sk ON sk.conversation_id = c.conversation_id""",
+        """CREATE TEMP TABLE placed AS SELECT conv, k, rid, turn FROM placed_src""",
+        # a statistic beyond the placed turns: the same-numbered turn without one, else a turn of its own
+        """CREATE TEMP TABLE cs_new AS SELECT DISTINCT own_rid AS rid, conversation_id AS conv, nturn AS turn,
+             2e12 + k AS ord, 2 AS stage FROM cs_pick
+           WHERE rid_match IS NULL AND place IS NULL AND NOT EXISTS (SELECT 1 FROM slot_src s
+             WHERE s.conv = cs_pick.conversation_id AND s.turn = cs_pick.nturn)""",
+    ]
