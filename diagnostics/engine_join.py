@@ -65,9 +65,9 @@ def join_sql(only: str | None) -> list[str]:
               SELECT k.id, left(sha256(k.id), l.len) AS tag FROM known_ids k, ({lengths}) l
               WHERE EXISTS (SELECT 1 FROM logged)) t
             WHERE tag IN (SELECT tag FROM logged) AND tag <> id GROUP BY tag""",
-        """CREATE TEMP TABLE evc AS SELECT ev.*, coalesce(m.conv, ev.conversation_id) AS cconv
+        """CREATE TEMP TABLE evc AS SELECT ev.* EXCLUDE (cconv), coalesce(m.conv, ev.conversation_id) AS cconv
            FROM ev LEFT JOIN tag_map m ON m.tag = ev.conversation_id""",
-        """CREATE TEMP TABLE plc AS SELECT pl.*, coalesce(m.conv, pl.conv) AS cconv,
+        """CREATE TEMP TABLE plc AS SELECT pl.* EXCLUDE (cconv, seq), coalesce(m.conv, pl.conv) AS cconv,
              row_number() OVER (ORDER BY pl.f, pl.n) AS seq
            FROM pl LEFT JOIN tag_map m ON m.tag = pl.conv""",
         # ---- 1. turn events: router (pass 0), client events their router names (1), other client events (2)

@@ -150,7 +150,7 @@ def parse_json_sql() -> list[str]:
               AND list_contains(k, 'event') AS is_event, list_has_all([{keys}], k) AS known
             FROM (SELECT DISTINCT k FROM jt)""",
         f"""CREATE TEMP TABLE ev AS SELECT jt.f, jt.n, left(jt.t, 500) AS text,
-              {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)},
+              {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
               CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
                    THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
               CASE WHEN json_type(j.attrs, '$.block_size') IN ('BIGINT', 'UBIGINT')
@@ -179,7 +179,7 @@ def parse_json_sql() -> list[str]:
     ]
 
 
-EV_ROW_COLUMNS: Final = ("f", "n", "text", *EVENT_FIELDS, "attr_bidir", "attr_block_size", "attr_ttl")
+EV_ROW_COLUMNS: Final = ("f", "n", "text", *EVENT_FIELDS, "cconv", "attr_bidir", "attr_block_size", "attr_ttl")
 CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latency_ms", "start_time_ms",
                          "input_num_turns", "input_num_tokens", "output_num_tokens", "turn", "request_id")
 
@@ -203,7 +203,7 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
                 bidir = attrs.get("bidirectional_kv_xfer")
                 block = attrs.get("block_size")
                 ttl = attrs.get("decoder_kv_blocks_ttl")
-                events.append((f, rec.lineno, rec.text, *(getattr(e, c) for c in EVENT_FIELDS),
+                events.append((f, rec.lineno, rec.text, *(getattr(e, c) for c in EVENT_FIELDS), e.conversation_id,
                                bidir if isinstance(bidir, bool) else None,
                                block if isinstance(block, int) and not isinstance(block, bool) else None,
                                float(ttl) if isinstance(ttl, int | float) and not isinstance(ttl, bool) else None))
@@ -269,9 +269,10 @@ def parse_proxy_sql() -> list[str]:
             FROM (SELECT f, n, t, regexp_extract(t, {head}, ['ts', 'lvl', 'name', 'msg']) AS h
                   FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t FROM lines_proxy
                         WHERE line IS NOT NULL) WHERE regexp_matches(t, {head}))""",
-        f"""CREATE TEMP TABLE pl AS SELECT f, n, text, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
-            FROM (SELECT *, {structs} FROM (SELECT *, CASE {' '.join(kinds)} END AS k FROM pl_msg))
-            WHERE k IS NOT NULL""",
+        f"""CREATE TEMP TABLE pl AS SELECT *, conv AS cconv, row_number() OVER (ORDER BY f, n) AS seq FROM (
+              SELECT f, n, text, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
+              FROM (SELECT *, {structs} FROM (SELECT *, CASE {' '.join(kinds)} END AS k FROM pl_msg))
+              WHERE k IS NOT NULL)""",
     ]
 
 
