@@ -134,6 +134,11 @@ async def _serve_stub(ready: Path) -> None:
                                         "remote_num_tokens": num, "remote_blocks_expiry_time": 1e9,
                                         "remote_registration_generation": 1, "transfer_mode": "pull"}}
         await resp.write(_stub_frame(final))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            # vLLM's final usage chunk; D's cached count is its own (the whole prompt came from P).
+            await resp.write(_stub_frame({**head, "choices": [], "usage": {
+                "prompt_tokens": prompt, "total_tokens": prompt + len(deltas) + 1, "completion_tokens": len(deltas) + 1,
+                "prompt_tokens_details": {"cached_tokens": prompt - 1}}}))
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -216,6 +221,7 @@ def cpu_seconds(pid: int) -> float:
 
 # ---------------------------------------------------------------------------------------------- clients
 STREAMS = list(STREAM_KINDS)  # set from --streams
+INCLUDE_USAGE = [False]  # set from --include-usage
 
 
 @dataclass
@@ -254,6 +260,8 @@ def _advance(conv: Conversation, reply: dict[str, Any]) -> None:
 def _body(conv: Conversation, backend: str) -> dict[str, Any]:
     body: dict[str, Any] = {"model": "Qwen/Qwen3-32B", "messages": conv.messages, "stream": True,
                             "max_tokens": 4 * MAX_TOKENS}
+    if INCLUDE_USAGE[0]:
+        body["stream_options"] = {"include_usage": True}
     if conv.kind == "tool":
         body["tools"] = TOOLS
         body["tool_choice"] = "auto"
@@ -560,6 +568,19 @@ def micro() -> list[dict[str, Any]]:
         d_params=params))})
     out.append({"micro": "store round trip of the handle (memory store)",
                 "us": per_call(lambda: _unpack_handle(1.0, _pack_handle(handle)))})
+    from kvdiag.router.usage import UsageRewriter
+
+    usage_frame = _stub_frame({**head, "choices": [], "usage": {"prompt_tokens": 280, "total_tokens": 297,
+                                                                 "completion_tokens": 17}})
+    with_usage = [*streams["plain"][:-1], usage_frame, streams["plain"][-1]]
+
+    def rewrite(frames: list[bytes] = with_usage) -> None:
+        rewriter = UsageRewriter(256)
+        for frame in frames:
+            rewriter.feed(frame)
+
+    out.append({"micro": f"rewrite the final usage chunk of a plain stream ({len(with_usage)} frames, one read each)",
+                "us": per_call(rewrite)})
     for n in (2000, 32000):
         ids = [random.randrange(150_000) for _ in range(n)]
         answer = json.dumps({"count": n, "max_model_len": 131072, "tokens": ids}).encode()
@@ -590,6 +611,8 @@ def main() -> None:
                         help="A/B runs: a directory holding another checkout as 'kvdiag', for the router only")
     parser.add_argument("--micro", action="store_true",
                         help="only the in-process costs of recording replies and deciding reuse (no processes)")
+    parser.add_argument("--include-usage", action="store_true",
+                        help="clients ask for stream_options.include_usage (the router rewrites the usage chunk)")
     parser.add_argument("--streams", default=",".join(STREAM_KINDS),
                         help="reply kinds, comma-separated, taken in turn by the conversations: plain, reasoning, tool")
     parser.add_argument("--serve-stub", type=Path, default=None, help=argparse.SUPPRESS)
@@ -610,6 +633,7 @@ def main() -> None:
     if not kinds or any(k not in STREAM_KINDS for k in kinds):
         parser.error(f"--streams: use some of {', '.join(STREAM_KINDS)}")
     STREAMS[:] = kinds
+    INCLUDE_USAGE[0] = args.include_usage
     results: list[dict[str, Any]] = []
     backends = ("sim", "stub") if args.backend == "both" else (args.backend,)
     for backend in backends:
@@ -618,7 +642,8 @@ def main() -> None:
                 processes(Path(tmp), backend, flags, args.router_pythonpath) as info:
             results += runner(bench(args, info, backend))
     cpu = [r["router_cpu_ms_per_turn"] for r in results if r.get("router_cpu_ms_per_turn")]
-    meta = {"streams": kinds, "verify_tokens": args.verify_tokens, "cpus": os.cpu_count(),
+    meta = {"streams": kinds, "verify_tokens": args.verify_tokens, "include_usage": args.include_usage,
+            "cpus": os.cpu_count(),
             "python": platform.python_version(), "machine": platform.machine(),
             "loadavg_at_end": os.getloadavg(), "median_router_cpu_ms_per_turn": statistics.median(cpu) if cpu else None}
     print(json.dumps(meta))

@@ -6,7 +6,9 @@ cluster directly with ``--handles`` stored handles in the router's own layout (J
 size: agent conversations with 50-500 blocks and a full turn ladder, plus their last-turn records), then
 drives real traffic: ``--conversations`` conversations at once, each ``--turns`` streaming turns spread over
 the replicas (turn k of conversation i on replica (i + k) mod n), replies sent back verbatim, a random
-think time between turns. A first, small phase on the empty store gives the same figures for comparison.
+think time between turns (``--think``: 10,000 conversations thinking up to 60 s offer about 330 turns/s,
+what two shared cores sustain with everything on them). A first, small phase on the empty store gives
+the same figures for comparison.
 
 Reported per phase: turns, errors, later turns whose handle the router found and injected, client
 latency p50/p99, the router's own processing per turn (``router_overhead_ms`` from the events: turn
@@ -93,7 +95,8 @@ def fill(c: Cluster, count: int, capacity: int, seed: int = 1) -> dict[str, Any]
                 h_key, _, t_key, idx = layout.keys(key)
                 raw = realistic_handle(rng, n).to_json()
                 sizes += len(raw)
-                ttl_ms = int(ENTRY_TTL * 1000) - rng.randint(0, 400_000)  # stored over the last 400 s
+                # As if stored over the last 100 s: every handle outlives the fill and the traffic after it.
+                ttl_ms = int(ENTRY_TTL * 1000) - rng.randint(0, 100_000)
                 pipe.set(h_key, raw, px=ttl_ms)
                 pipe.zadd(idx, {h_key: int(now * 1000) + ttl_ms})
                 pipe.set(t_key, LastTurn(8, now, True, "r").to_json(), px=3_600_000)
@@ -268,7 +271,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             results["series_start"] = [await series(u) for u in urls]
             with Sampler(routers) as sampler:
                 warm = Phase("empty store")
-                await drive(urls, args.conversations // 10, args.turns, args.think, warm, "warm")
+                # A tenth of the conversations, a tenth of the think time: the same offered rate.
+                await drive(urls, max(args.conversations // 10, 1), args.turns, args.think / 10, warm, "warm")
                 await asyncio.sleep(0.5)
                 warm_ms, seen = overhead(routers, [0] * len(routers))
                 results["phases"] = [summary(warm, warm_ms)]
@@ -304,7 +308,9 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=1_000_000, help="the routers' --max-entries")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
-    parser.add_argument("--think", type=float, default=5.0, help="longest think time before a turn (s)")
+    parser.add_argument("--think", type=float, default=60.0,
+                        help="longest think time before a turn (s; uniform): sets the offered rate, about "
+                             "conversations / (think / 2) turns/s")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     try:
