@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -100,6 +101,7 @@ class TurnRow:
     p2d_bytes: int = 0
     modelled_ttft_ms: float | None = None
     outcome: str | None = None
+    error: str | None = None  # the client's, for a failed request
     p_reason: str | None = None
     d_reason: str | None = None
     d_expected: int | None = None
@@ -195,17 +197,18 @@ async def _bed(case: Case, policy: str, workdir: Path, in_process: bool,
             await fleet.close()
         return
     fleet_ready, router_ready = workdir / "fleet.ready", workdir / "router.ready"
+    fleet_err, router_err = (workdir / "fleet.err").open("wb"), (workdir / "router.err").open("wb")
     fleet_proc = await asyncio.create_subprocess_exec(
         KVDIAG, "sim", "fleet", "--prefill", str(case.prefill), "--decode", str(case.decode), "--events-dir",
         str(events), "--ready-file", str(fleet_ready), *_engine_args(case),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        stdout=asyncio.subprocess.DEVNULL, stderr=fleet_err)
     try:
         info = await _wait_file(fleet_ready, fleet_proc)
         locality = "--prefill-locality" if case.p_prefix_caching else "--no-prefill-locality"
         router_proc = await asyncio.create_subprocess_exec(
             KVDIAG, "router", "--host", "127.0.0.1", "--port", "0", "--policy", policy, locality, "--events-file",
             str(router_events), "--ready-file", str(router_ready), *info["router_args"],
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            stdout=asyncio.subprocess.DEVNULL, stderr=router_err)
         try:
             router_info = await _wait_file(router_ready, router_proc)
             before = {"fleet": _cpu_seconds(fleet_proc.pid), "router": _cpu_seconds(router_proc.pid)}
@@ -216,6 +219,8 @@ async def _bed(case: Case, policy: str, workdir: Path, in_process: bool,
             await _stop(router_proc)
     finally:
         await _stop(fleet_proc)
+        fleet_err.close()
+        router_err.close()
 
 
 async def _sample_memory(urls: list[str], per_d_bytes: float, out: list[float], stop: asyncio.Event) -> None:
@@ -271,6 +276,8 @@ async def run_case(case: Case, policy: str, workdir: Path, *, in_process: bool =
         ev = record.event
         rid = ev.request_id or ""
         row = TurnRow(ev.conversation_id or "", ev.turn or 0, rid, ev.status or "?", _unscale(ev.ttft_ms, case))
+        if ev.status != "ok":
+            row.error = f"HTTP {ev.http_status}: {ev.attrs.get('error')}"
         r, p, d = router.get(rid), p_events.get(rid), d_events.get(rid)
         if r is not None:
             row.router_ttft_ms, row.router_prefill_ms = _unscale(r.ttft_ms, case), _unscale(r.prefill_ms, case)
@@ -405,6 +412,8 @@ def _fewer(kv_over_rr: float | None) -> str:
         return "–"
     if kv_over_rr <= 0:
         return "none left"
+    if kv_over_rr < 0.01:
+        return "over 100× fewer"
     return f"{1 / kv_over_rr:.1f}× fewer" if kv_over_rr < 1 else f"{kv_over_rr:.2f}× more"
 
 
@@ -435,6 +444,10 @@ async def run_all(cases: list[Case], workdir: Path, in_process: bool = False,
         if rows_dir is not None:
             for policy, res in results.items():
                 (rows_dir / f"case{i}-{policy}.json").write_text(json.dumps([asdict(r) for r in res.rows]))
+                for name in ("router-events.jsonl", "router.err", "fleet.err"):
+                    source = workdir / f"case{i}-{policy}" / name
+                    if source.exists():
+                        shutil.copy(source, rows_dir / f"case{i}-{policy}-{name}")
     return out
 
 

@@ -359,7 +359,7 @@ class TurnFlow:
                 return self._prefill_succeeded(obj, index, with_handle, turn), index
         finally:
             state.prefill_ms = (time.perf_counter() - started) * 1000.0
-            self.placement.prefill_done(turn.placed)
+            self.placement.prefill_done(turn.placed, state.prefill_index)
         assert last_error is not None
         raise last_error
 

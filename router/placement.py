@@ -232,9 +232,11 @@ class Placement:
             d.expected_local_tokens = placed.local_d if d.index == d.preferred else 0
 
     # ------------------------------------------------------------------ turn lifecycle
-    def prefill_done(self, placed: Placed | None) -> None:
-        """The turn's prefill leg ended: branches waiting for it may go."""
+    def prefill_done(self, placed: Placed | None, served: int | None = None) -> None:
+        """The turn's prefill leg ended (on P ``served``, when it succeeded): branches waiting for it may go."""
         if placed is not None and placed.leader is not None:
+            if served is not None:
+                placed.leader.prefill = served  # a failover: the history is on the P that answered
             placed.leader.done.set()
             if self._leaders.get(placed.key or "") is placed.leader:
                 del self._leaders[placed.key or ""]

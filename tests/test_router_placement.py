@@ -158,6 +158,12 @@ async def test_a_branch_waits_for_its_leader_and_follows_it_to_the_same_p() -> N
     follower = await asyncio.wait_for(follower_task, 1.0)
     assert follower.prefill.index == 3 and follower.prefill.reason == REASON_BRANCH
     assert follower.leader is None  # a follower never leads
+    # A leader that failed over: its branches follow it to the P that answered.
+    leader = await placement.prefill("k", _claim(3, 1), 40_000)
+    follower_task = asyncio.create_task(placement.prefill("k", _claim(3, 1, acquired=False), 40_000))
+    await asyncio.sleep(0.01)
+    placement.prefill_done(leader, 0)
+    assert (await asyncio.wait_for(follower_task, 1.0)).prefill.index == 0
     # Without a leader on this router, a concurrent turn goes where the last turn went (another replica leads).
     other = await placement.prefill("k2", _claim(1, 1, acquired=False), 1000)
     assert other.prefill.index == 1 and other.prefill.reason == REASON_LOCALITY
