@@ -357,3 +357,15 @@ async def test_a_master_that_dies_and_restarts_costs_reuse_not_answers(tmp_path:
             assert lost == len(on_victim) and kept == len(keys) - len(on_victim)
         finally:
             await s.close()
+
+
+async def test_a_cluster_url_on_a_single_server_says_which_url_to_use(servers: dict[str, Cluster | Node]) -> None:
+    node = servers["redis-single"]
+    assert isinstance(node, Node)
+    s = ClusterStore(f"redis+cluster://127.0.0.1:{node.port}", capacity=10, entry_ttl=60, last_turn_ttl=600,
+                     lock_ttl=30, timeout=1.0)
+    try:
+        with pytest.raises(StoreError, match="use redis:// for one server"):
+            await s.ping()
+    finally:
+        await s.close()
