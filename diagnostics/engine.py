@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
-from kvdiag.diagnostics.engine_facts import facts_sql
+from kvdiag.diagnostics.engine_facts import evidence_sql, facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import LineStats
@@ -40,7 +40,9 @@ VLLM_MESSAGE_STARTS: Final = ("Bidirectional KV transfer", "Declining expired", 
                               "Potentially invalid", "NIXL", "Failing", "Recovered from", "Skipping", "start_load_kv",
                               "Remote agent", "Finished", "Got ", "Generated response", "Aborted request", "Request ",
                               "Received request", "Added request", "chatcmpl-", "cmpl-")
-VLLM_PREFILTER: Final = r"\] (" + "|".join(re.escape(s).replace("\\ ", " ") for s in VLLM_MESSAGE_STARTS) + ")"
+# (vLLM's colours, when its output was a terminal, may stand between the header and the message)
+VLLM_PREFILTER: Final = ("\\](\x1b\\[[0-9;]*m)* ("
+                         + "|".join(re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", s) for s in VLLM_MESSAGE_STARTS) + ")")
 _JSON_FORMATS: Final = ("events", "client_stats")
 _TABLES: Final = {"events": "lines_json", "client_stats": "lines_json", "proxy": "lines_proxy", "vllm": "lines_vllm"}
 
@@ -159,7 +161,7 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                         progress(lf.size)
                 continue
             if lf.fmt == "client_stats" and is_json_document(lf.path):
-                _add_document(run, f)
+                add_document(run, f)
                 continue
             if _plain(lf.path):
                 try:
@@ -183,7 +185,8 @@ def is_json_document(path: str) -> bool:
         return fh.read(4096).lstrip().startswith(b"[")
 
 
-def _add_document(run: Run, f: int) -> None:
+def add_document(run: Run, f: int) -> None:
+    """A client-statistics file that is one JSON document (json_logs reads it whole)."""
     path = run.files[f].path
     try:
         with open_binary(path) as fh:
@@ -211,6 +214,9 @@ def parse(run: Run) -> None:
     ep.read_odd_json(run.con, run.paths, run.stats)
 
 
+VIEWS_SQL: Final = """CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);
+CREATE TEMP VIEW ready AS SELECT f, n, seq FROM pl WHERE kind = 'ready';
+CREATE TEMP TABLE wtext (ref BIGINT, source VARCHAR, text VARCHAR)"""
 CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS SELECT
   EXISTS (SELECT 1 FROM files WHERE fmt = 'client_stats') OR EXISTS (SELECT 1 FROM ev WHERE source = 'client')
     AS ctx_has_client,
@@ -238,15 +244,16 @@ CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS SELECT
               AND attr_block_size IS NOT NULL),
            (SELECT arg_max(block_size, (f, n)) FROM vl_r WHERE kind = 'read_blocks'), {DEFAULT_BLOCK_SIZE})
     AS ctx_block_size,
-  (SELECT arg_max(TRY_CAST(ttl AS DOUBLE), seq) FROM plc WHERE kind = 'stale') AS ctx_router_ttl"""
+  (SELECT arg_max(TRY_CAST(ttl AS DOUBLE), seq) FROM pl WHERE kind = 'stale') AS ctx_router_ttl"""
 
 # Each turn with its conversation's previous turn and the facts the rules derive from several columns.
 TURNS_SQL: Final = """CREATE TEMP TABLE tf AS
 WITH base AS (SELECT t.*, ctx.*, t.px_seq IS NOT NULL AS has_px,
     coalesce(t.has_events, false) AS has_ev,
     CASE WHEN coalesce(t.has_events, false) THEN coalesce(t.client_ok, false)
-         ELSE coalesce(t.px_has_stored, false) OR (t.has_stat AND NOT (t.px_seq IS NOT NULL
-              AND NOT coalesce(t.px_has_stored, false) AND NOT coalesce(t.px_done, false))) END AS answered
+         ELSE t.px_stored IS NOT NULL OR (t.has_stat AND NOT (t.px_seq IS NOT NULL
+              AND t.px_stored IS NULL AND NOT coalesce(t.px_done, false))) END AS answered,
+    t.px_stored IS NOT NULL AS px_has_stored, t.px_not_stored IS NOT NULL AS px_has_not_stored
   FROM turn_facts t, ctx),
 f AS (SELECT *, CASE WHEN answered THEN NULL ELSE coalesce(ev_failed_why, vl_failed_why, px_failed_why) END
     AS failed_why,
@@ -289,24 +296,22 @@ SELECT o.*,
   turn = 1 AND prev_sid IS NULL AND (has_px OR (has_stat AND coalesce(s_input_num_turns, 1) <= 2)) AS is_first,
   coalesce(prev_has_px AND has_px AND prev_stored_seq IS NOT NULL AND prev_stored_seq > px_seq, false)
     AS is_concurrent,
-  CASE WHEN prev_has_px AND has_px THEN (SELECT arg_min(CASE WHEN r.src IS NOT NULL THEN {'source': r.src, 'text':
-      left(r.text, 300)} END, r.seq) FROM pl_r r WHERE r.kind = 'ready' AND r.f = o.px_last_f
-      AND r.seq > coalesce(o.prev_stored_seq, o.prev_px_seq) AND r.seq < o.px_seq) END AS restart_ref,
+  CASE WHEN prev_has_px AND has_px THEN (SELECT arg_min((r.f::BIGINT << 40) + r.n, r.seq) FROM ready r
+      WHERE r.f = o.px_last_f AND r.seq > coalesce(o.prev_stored_seq, o.prev_px_seq) AND r.seq < o.px_seq) END
+    AS restart_ref,
   CASE WHEN prev_sid IS NOT NULL AND prev_s_start_time_ms IS NOT NULL AND prev_s_latency_ms IS NOT NULL
        AND s_start_time_ms IS NOT NULL
        AND (s_start_time_ms - prev_s_start_time_ms - prev_s_latency_ms) / 1000.0 >= 0
        THEN (s_start_time_ms - prev_s_start_time_ms - prev_s_latency_ms) / 1000.0 END AS client_gap
 FROM o"""
 
-WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, "
-                         "w_refs STRUCT(source VARCHAR, text VARCHAR)[], "
-                         "w_rejected STRUCT(source VARCHAR, text VARCHAR), w_prefix_caching BOOLEAN, "
-                         "w_recovered BOOLEAN, w_caching_ref STRUCT(source VARCHAR, text VARCHAR)")
+WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, w_refs BIGINT[], w_rejected BIGINT, "
+                         "w_prefix_caching BOOLEAN, w_recovered BOOLEAN, w_caching_ref BIGINT")
 
 
 def decide(run: Run) -> None:
     """Correlate, collect the facts and apply the rules: ``decided`` (one row per turn)."""
-    for q in (*join_sql(run.only), *facts_sql(), CONTEXT_SQL, TURNS_SQL):
+    for q in (*join_sql(run.only), *facts_sql(), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL):
         run.con.execute(q)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
@@ -353,7 +358,16 @@ RECORD_COLUMNS: Final = (
     "evidence", "pos")
 
 
-def decided_rows(run: Run) -> pa.Table:
-    """The decided turns, in conversation order (the columns TurnRecord and the turn table read)."""
-    return run.con.sql(f"SELECT {', '.join(RECORD_COLUMNS)} FROM decided ORDER BY conversation_id, pos"
-                       ).to_arrow_table()
+def decided_rows(run: Run, *, evidence: bool = True) -> pa.Table:
+    """The decided turns, in conversation order (the columns TurnRecord and the turn table read); with
+    ``evidence``, each turn's evidence as a list of {source, text}."""
+    cols = ", ".join(c for c in RECORD_COLUMNS if c != "evidence")
+    if not evidence:
+        return run.con.sql(f"SELECT {cols} FROM decided ORDER BY conversation_id, pos").to_arrow_table()
+    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT d.sid, r.ref, r.k FROM decided d, "
+                    "unnest(d.evidence) WITH ORDINALITY AS r(ref, k)")
+    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_text AS " + evidence_sql("ev_refs")
+                    + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext")
+    return run.con.sql(f"""SELECT {cols}, (SELECT list({{'source': t.source, 'text': t.text}} ORDER BY r.k)
+        FROM ev_refs r JOIN (SELECT DISTINCT ON (ref) * FROM ev_text) t USING (ref) WHERE r.sid = d.sid) AS evidence
+        FROM decided d ORDER BY conversation_id, pos""").to_arrow_table()

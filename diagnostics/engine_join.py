@@ -65,17 +65,14 @@ def join_sql(only: str | None) -> list[str]:
               SELECT k.id, left(sha256(k.id), l.len) AS tag FROM known_ids k, ({lengths}) l
               WHERE EXISTS (SELECT 1 FROM logged)) t
             WHERE tag IN (SELECT tag FROM logged) AND tag <> id GROUP BY tag""",
-        """CREATE TEMP TABLE evc AS SELECT ev.* EXCLUDE (cconv), coalesce(m.conv, ev.conversation_id) AS cconv
-           FROM ev LEFT JOIN tag_map m ON m.tag = ev.conversation_id""",
-        """CREATE TEMP TABLE plc AS SELECT pl.* EXCLUDE (cconv, seq), coalesce(m.conv, pl.conv) AS cconv,
-             row_number() OVER (ORDER BY pl.f, pl.n) AS seq
-           FROM pl LEFT JOIN tag_map m ON m.tag = pl.conv""",
+        "UPDATE ev SET cconv = m.conv FROM tag_map m WHERE ev.conversation_id = m.tag",
+        "UPDATE pl SET cconv = m.conv FROM tag_map m WHERE pl.conv = m.tag",
         # ---- 1. turn events: router (pass 0), client events their router names (1), other client events (2)
         f"""CREATE TEMP TABLE tev AS SELECT *, row_number() OVER (ORDER BY pass, f, n) AS pord FROM (
-              SELECT evc.*, CASE WHEN source = 'router' THEN 0
-                WHEN request_id IN (SELECT request_id FROM evc WHERE source = 'router' AND request_id IS NOT NULL)
+              SELECT f, n, source, request_id, cconv, turn, ts, CASE WHEN source = 'router' THEN 0
+                WHEN request_id IN (SELECT request_id FROM ev WHERE source = 'router' AND request_id IS NOT NULL)
                 THEN 1 ELSE 2 END AS pass
-              FROM evc WHERE source IN ('router', 'client') AND cconv IS NOT NULL AND turn IS NOT NULL
+              FROM ev WHERE source IN ('router', 'client') AND cconv IS NOT NULL AND turn IS NOT NULL
                 AND {only_sql})""",
         # a router-only turn of a conversation and number takes the first other client event of it
         """CREATE TEMP TABLE rid_first AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
@@ -98,7 +95,7 @@ def join_sql(only: str | None) -> list[str]:
              FROM ev_slot_key WHERE rid IS NOT NULL GROUP BY rid
            UNION ALL SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL GROUP BY cconv, turn""",
         # router events without a conversation or turn join by the request id
-        """CREATE TEMP TABLE ev_rid_only AS SELECT f, n, request_id AS rid FROM evc
+        """CREATE TEMP TABLE ev_rid_only AS SELECT f, n, request_id AS rid FROM ev
            WHERE source = 'router' AND (cconv IS NULL OR turn IS NULL) AND request_id IN
              (SELECT rid FROM slot_src WHERE rid IS NOT NULL)""",
         # ---- 2. the proxy's requests
@@ -144,7 +141,7 @@ def join_sql(only: str | None) -> list[str]:
               (SELECT sid FROM by_rid WHERE rid = hrid(e.request_id)),
               (SELECT sid FROM by_rid WHERE rid = e.engine_request_id),
               (SELECT sid FROM by_rid WHERE rid = hrid(e.engine_request_id))) AS sid, e.cconv, e.turn
-            FROM evc e WHERE e.source IN ('prefill', 'decode')""",
+            FROM ev e WHERE e.source IN ('prefill', 'decode')""",
         f"""CREATE TEMP TABLE eng_new AS SELECT DISTINCT cconv AS conv, turn FROM eng_ev
             WHERE sid IS NULL AND cconv IS NOT NULL AND turn IS NOT NULL AND {only_sql}
               AND NOT EXISTS (SELECT 1 FROM slots s WHERE s.rid IS NULL AND s.conv = eng_ev.cconv
@@ -157,16 +154,15 @@ def join_sql(only: str | None) -> list[str]:
         # ---- vLLM lines: D's release of the handle a turn was offered, else by the ids a line names
         """CREATE TEMP TABLE offered AS SELECT offered_id, max(sid) AS sid FROM (
              SELECT p.sid, p.offered AS offered_id FROM px_slot p WHERE p.offered IS NOT NULL
-             UNION ALL SELECT es.sid, arg_min(e.remote_request_id, e.n) FROM ev_slot es JOIN evc e USING (f, n)
+             UNION ALL SELECT es.sid, arg_min(e.remote_request_id, e.n) FROM ev_slot es JOIN ev e USING (f, n)
                WHERE e.source = 'router' AND e.remote_request_id IS NOT NULL
                  AND es.sid NOT IN (SELECT sid FROM px_slot WHERE offered IS NOT NULL) GROUP BY es.sid)
            GROUP BY offered_id""",
-        """CREATE TEMP TABLE vl_rids AS SELECT v.f, v.n, r.rid, r.pos FROM vl v,
-             unnest(list_concat(CASE WHEN v.request_id IS NOT NULL THEN [v.request_id] ELSE [] END,
-                                coalesce(v.request_ids, []),
-                                CASE WHEN v.ctx_request_id IS NOT NULL THEN [v.ctx_request_id] ELSE [] END))
-               WITH ORDINALITY AS r(rid, pos)
-           WHERE v.kind IS NOT NULL""",
+        """CREATE TEMP TABLE vl_rids AS
+           SELECT f, n, request_id AS rid, 0 AS pos FROM vl WHERE kind IS NOT NULL AND request_id IS NOT NULL
+           UNION ALL SELECT v.f, v.n, r.rid, r.pos FROM vl v, unnest(v.request_ids) WITH ORDINALITY AS r(rid, pos)
+             WHERE v.kind IS NOT NULL AND len(v.request_ids) > 0
+           UNION ALL SELECT f, n, ctx_request_id, 1e9 FROM vl WHERE kind IS NOT NULL AND ctx_request_id IS NOT NULL""",
         """CREATE TEMP TABLE vl_slot AS
            WITH rel AS (SELECT v.f, v.n, o.sid, CASE v.kind WHEN 'releasing_expired' THEN 'released' ELSE 'stale' END
                           AS grp FROM vl v JOIN froles fr USING (f) JOIN offered o ON o.offered_id = v.request_id
@@ -195,23 +191,23 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
              SELECT *, lag(kind) OVER w AS head_kind, lag(f) OVER w AS head_f, lag(n) OVER w AS head_n,
                lag(age) OVER w AS head_age, lag(ttl) OVER w AS head_ttl, lag(why) OVER w AS head_why,
                lag(seq) OVER w AS head_seq
-             FROM plc WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL
+             FROM pl WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL
              WINDOW w AS (PARTITION BY cconv ORDER BY seq))
            WHERE kind IN ('sending', 'miss', 'no_handle') AND rid IS NOT NULL""",
-        """CREATE TEMP TABLE px_first AS SELECT rid, min(seq) AS seq FROM plc WHERE rid IS NOT NULL
+        """CREATE TEMP TABLE px_first AS SELECT rid, min(seq) AS seq FROM pl WHERE rid IS NOT NULL
              AND kind NOT IN ('cached', 'ready') GROUP BY rid""",
         # the last defining line of a request decides its lookup (correlate overwrites it)
         f"""CREATE TEMP TABLE px_req AS
             WITH d AS (SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY rid ORDER BY seq DESC) AS k
                                      FROM px_def) WHERE k = 1),
             stored AS (SELECT hrid(c.remote) AS rid, arg_max(c.f, c.seq) AS f, arg_max(c.n, c.seq) AS n,
-                         max(c.seq) AS stored_seq FROM plc c JOIN px_first pf ON pf.rid = hrid(c.remote)
+                         max(c.seq) AS stored_seq FROM pl c JOIN px_first pf ON pf.rid = hrid(c.remote)
                        WHERE c.kind = 'cached' AND c.seq > pf.seq GROUP BY hrid(c.remote))
             SELECT pf.rid, d.cconv AS conv, pf.seq,
               CASE WHEN d.kind = 'sending' THEN 'hit'
                    WHEN d.kind IS NOT NULL AND d.head_kind = 'stale' THEN 'stale'
                    WHEN d.kind IS NOT NULL THEN d.kind
-                   WHEN EXISTS (SELECT 1 FROM plc WHERE plc.rid = pf.rid AND plc.kind = 'no_conversation_id')
+                   WHEN EXISTS (SELECT 1 FROM pl WHERE pl.rid = pf.rid AND pl.kind = 'no_conversation_id')
                      THEN 'no_conversation_id' END AS lookup,
               CASE WHEN d.kind = 'sending' THEN d.remote END AS offered,
               CASE WHEN d.head_kind IN ('hit', 'stale', 'miss_head') THEN d.head_f END AS head_f,
@@ -227,7 +223,7 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
             WHERE d.cconv IS NULL OR {only_sql.replace('cconv', 'd.cconv')}""",
         # "not caching D blocks": the request it names, else its conversation's latest request before it
         """CREATE TEMP TABLE px_not_cached AS
-           WITH nc AS (SELECT * FROM plc WHERE kind = 'not_cached'),
+           WITH nc AS (SELECT * FROM pl WHERE kind = 'not_cached'),
            named AS (SELECT nc.f, nc.n, nc.seq, nc.why, nc.rid FROM nc JOIN px_first pf ON pf.rid = nc.rid
                      WHERE nc.seq > pf.seq),
            by_conv AS (SELECT nc.f, nc.n, nc.seq, nc.why, (SELECT arg_max(d.rid, d.seq) FROM px_def d
@@ -253,10 +249,12 @@ def _stats_sql(only: str | None) -> list[str]:
             FROM cs_num WHERE {only_sql} GROUP BY conversation_id""",
         # the turns already made, in the order correlate's _request_order gives (turn, then the proxy's order
         # or the events' time)
-        """CREATE TEMP TABLE placed_src AS SELECT s.*, row_number() OVER (PARTITION BY conv ORDER BY turn,
-             coalesce((SELECT min(seq) FROM px_req p WHERE p.rid = s.rid AND p.conv IS NOT NULL)::DOUBLE,
-                      (SELECT min(e.ts) FROM ev_slot_key k JOIN evc e USING (f, n) WHERE k.rid = s.rid), 0.0),
-             stage, ord) AS k FROM slot_src s""",
+        """CREATE TEMP TABLE placed_src AS SELECT s.*, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
+             coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k
+           FROM slot_src s LEFT JOIN (SELECT rid, min(seq) AS seq FROM px_req WHERE conv IS NOT NULL GROUP BY rid) p
+             ON p.rid = s.rid
+           LEFT JOIN (SELECT k.rid, min(t.ts) AS ts FROM ev_slot_key k JOIN tev t USING (f, n) GROUP BY k.rid) t
+             ON t.rid = s.rid""",
         """CREATE TEMP TABLE cs_pick AS
            SELECT c.f, c.n, c.conversation_id, c.k,
              CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) THEN c.request_id END

@@ -138,30 +138,42 @@ def _int(key: str) -> str:
     return f"CAST(trunc({_num(key)}) AS BIGINT)"
 
 
+def _trimmed(col: str) -> str:
+    # str.strip() of a JSON line: only lines that start or end with whitespace pay for it
+    ws = "(9, 10, 11, 12, 13, 32)"
+    return f"CASE WHEN ascii({col}) IN {ws} OR ascii(right({col}, 1)) IN {ws} THEN trim({col}, {_WS}) ELSE {col} END"
+
+
 def parse_json_sql() -> list[str]:
     """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read."""
     keys = _in(FIELD_NAMES)
+    objects = (f"SELECT f, n, t FROM (SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) "
+               "WHERE starts_with(t, '{') AND json_valid(t)")
     return [
-        f"""CREATE TEMP TABLE jt AS SELECT f, n, t, from_json(t, '{_EVENT_SCHEMA}') AS j, json_keys(t) AS k
-            FROM (SELECT f, n, trim(line, {_WS}) AS t FROM lines_json WHERE line IS NOT NULL)
-            WHERE t <> '' AND starts_with(t, '{{') AND json_valid(t)""",
         # the key lists are few: check each once
         f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(k, 'v') AND list_contains(k, 'source')
               AND list_contains(k, 'event') AS is_event, list_has_all([{keys}], k) AS known
-            FROM (SELECT DISTINCT k FROM jt)""",
-        f"""CREATE TEMP TABLE ev AS SELECT jt.f, jt.n, left(jt.t, 500) AS text,
+            FROM (SELECT DISTINCT json_keys(t) AS k FROM ({objects}))""",
+        f"""CREATE TEMP TABLE ev AS SELECT f, n, left(t, 500) AS text,
               {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
               CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
                    THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
               CASE WHEN json_type(j.attrs, '$.block_size') IN ('BIGINT', 'UBIGINT')
                    THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
-                   THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl
-            FROM jt JOIN jk USING (k) WHERE jk.is_event AND jk.known AND {_event_ok()}""",
-        f"""CREATE TEMP TABLE cs_raw AS SELECT jt.f, jt.n, left(jt.t, 500) AS text,
-              from_json(jt.t, '{_STAT_SCHEMA}') AS s
-            FROM jt JOIN jk USING (k) WHERE NOT jk.is_event""",
-        f"""CREATE TEMP TABLE cs AS SELECT f, n, text,
+                   THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
+              jk.known AND {_event_ok()} AS ok
+            FROM (SELECT o.*, from_json(o.t, '{_EVENT_SCHEMA}') AS j, json_keys(o.t) AS k FROM ({objects}) o) x
+            JOIN jk USING (k) WHERE jk.is_event""",
+        # everything else json_logs reads itself: not an object, an event the checks reject
+        f"""CREATE TEMP TABLE json_odd AS
+            SELECT f, n, line FROM lines_json WHERE line IS NOT NULL
+              AND NOT (starts_with({_trimmed('line')}, '{{') AND json_valid({_trimmed('line')}))
+              AND {_trimmed('line')} <> ''
+            UNION ALL SELECT l.f, l.n, l.line FROM lines_json l JOIN (SELECT f, n FROM ev WHERE NOT ok) b USING (f, n)""",
+        "DELETE FROM ev WHERE NOT ok",
+        "ALTER TABLE ev DROP COLUMN ok",
+        f"""CREATE TEMP TABLE cs AS SELECT f, n, left(t, 500) AS text,
               CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
                    ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
               {_num('ttft_ms')} AS ttft_ms, {_num('latency_ms')} AS latency_ms,
@@ -169,13 +181,9 @@ def parse_json_sql() -> list[str]:
               {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
               CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id
-            FROM cs_raw WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
-        # everything else json_logs reads itself: not an object, an event the checks reject, odd values
-        f"""CREATE TEMP TABLE json_odd AS SELECT l.f, l.n, l.line FROM lines_json l
-            WHERE l.line IS NOT NULL AND trim(l.line, {_WS}) <> ''
-              AND NOT EXISTS (SELECT 1 FROM ev WHERE ev.f = l.f AND ev.n = l.n)
-              AND NOT EXISTS (SELECT 1 FROM jt JOIN jk USING (k)
-                              WHERE jt.f = l.f AND jt.n = l.n AND NOT jk.is_event)""",
+            FROM (SELECT o.f, o.n, o.t, from_json(o.t, '{_STAT_SCHEMA}') AS s FROM ({objects}) o
+                  JOIN jk ON jk.k = json_keys(o.t) WHERE NOT jk.is_event)
+            WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
     ]
 
 
@@ -257,7 +265,9 @@ def parse_proxy_sql() -> list[str]:
         whens = []
         for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS):
             if name in regex.groupindex:
-                whens.append(f"WHEN {i} THEN nullif(x{i}.{name}, '')")
+                # regexp_extract gives '' for a group that took no part: an optional group's '' is no value
+                value = f"nullif(x{i}.{name}, '')" if name in _optional_groups(regex) else f"x{i}.{name}"
+                whens.append(f"WHEN {i} THEN {value}")
         fields.append(f"CASE k {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
     structs = ", ".join(f"CASE WHEN k = {i} THEN regexp_extract(msg, {sql_str(_re2(regex))}, "
                         f"[{_in_ordered(list(regex.groupindex))}]) END AS x{i}"
@@ -274,6 +284,28 @@ def parse_proxy_sql() -> list[str]:
               FROM (SELECT *, {structs} FROM (SELECT *, CASE {' '.join(kinds)} END AS k FROM pl_msg))
               WHERE k IS NOT NULL)""",
     ]
+
+
+def _optional_groups(regex: re.Pattern[str]) -> set[str]:
+    """The named groups inside an optional part of the pattern ("(...)?" or "(...)*")."""
+    src, stack, spans = regex.pattern, [], []
+    i = 0
+    while i < len(src):
+        if src[i] == "\\":
+            i += 2
+            continue
+        if src[i] == "[":  # a character class: its brackets and parentheses are literal
+            i = src.index("]", i + 2 if src[i + 1:i + 2] in ("]", "^") else i + 1) + 1
+            continue
+        if src[i] == "(":
+            stack.append(i)
+        elif src[i] == ")" and stack:
+            start = stack.pop()
+            if i + 1 < len(src) and src[i + 1] in "?*":
+                spans.append((start, i))
+        i += 1
+    return {name for name in regex.groupindex
+            if any(a < src.index(f"(?P<{name}>") < b for a, b in spans)}
 
 
 def _in_ordered(values: list[str]) -> str:
@@ -345,6 +377,10 @@ def _field(i: int, kind: str, regex: re.Pattern[str], col: str) -> str | None:
     return _VLLM_FIELDS.get(kind, {}).get(col)
 
 
+_STD_HEADER: Final = sql_str(r"^(?:\([\pL\pN_.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
+                             r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]{1,300}:\d+\]")
+
+
 def parse_vllm_sql() -> list[str]:
     """Statements: ``vl`` from lines_vllm: the header, the message's kind and the fields the rules read.
 
@@ -374,15 +410,27 @@ def parse_vllm_sql() -> list[str]:
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
     return [
-        f"""CREATE TEMP TABLE vl_head AS SELECT f, n, h.proc AS proc, h.pid AS pid, h.lvl AS level, h.ts AS ts,
-              h.file || ':' || h.line AS fileinfo, h.msg AS msg
+        f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, regexp_matches(t, {_STD_HEADER}) AS std
+            FROM (SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
+                  FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t0 FROM lines_vllm WHERE line IS NOT NULL))
+            WHERE length(t) < {MAX_LINE_CHARS} AND regexp_matches(t, {header})""",
+        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position; any other
+        # prefix (VLLM_LOGGING_PREFIX) through the full pattern
+        f"""CREATE TEMP TABLE vl_head AS
+            WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc,
+                         CASE WHEN starts_with(t, '(') THEN substr(t, strpos(t, ') ') + 2) ELSE t END AS rest
+                       FROM vl_clean WHERE std),
+            l AS (SELECT *, split_part(rest, ' ', 1) AS level, ltrim(substr(rest, strpos(rest, ' ') + 1)) AS al FROM s)
+            SELECT f, n, CASE WHEN has_proc THEN substr(t, 2, strpos(t, ' pid=') - 2) ELSE '' END AS proc,
+              CASE WHEN has_proc THEN substr(t, strpos(t, ' pid=') + 5, strpos(t, ') ') - strpos(t, ' pid=') - 5)
+                   ELSE '' END AS pid, level, left(al, 14) AS ts,
+              substr(al, 17, strpos(al, ']') - 17) AS fileinfo,
+              CASE WHEN substr(al, strpos(al, ']') + 1, 1) = ' ' THEN substr(al, strpos(al, ']') + 2)
+                   ELSE substr(al, strpos(al, ']') + 1) END AS msg
+            FROM l
+            UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
             FROM (SELECT f, n, regexp_extract(t, {header}, ['proc', 'pid', 'prefix', 'lvl', 'ts', 'file', 'line',
-                                                           'msg']) AS h
-                  FROM (SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g')
-                                          ELSE t0 END AS t
-                        FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t0 FROM lines_vllm
-                              WHERE line IS NOT NULL))
-                  WHERE length(t) < {MAX_LINE_CHARS} AND regexp_matches(t, {header}))""",
+                                                           'msg']) AS h FROM vl_clean WHERE NOT std)""",
         f"""CREATE TEMP TABLE vl AS SELECT f, n,
               left(CASE WHEN proc <> '' THEN '(' || proc || ' pid=' || pid || ') ' ELSE '' END || level || ' ' || ts
                    || ' [' || fileinfo || '] ' || msg, 500) AS text,

@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import duckdb
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
-from kvdiag.diagnostics.detect import detect
-from kvdiag.diagnostics.explain import load_turns
+from kvdiag.diagnostics.detect import LogReadError, detect
+from kvdiag.diagnostics.explain import UnreadableLogError, run_all
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.report_fast import fast_turn_table
 from kvdiag.diagnostics.report_trims import TrimSummary, trim_summary
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.exporters import parquet
-from kvdiag.schema.metrics import MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS, prompt_bucket, turn_bucket
+from kvdiag.schema.metrics import _PROMPT_EDGES, MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 
 # Bump when the table's columns (or how a path fills them) change: it is part of the Parquet cache key.
@@ -32,7 +33,8 @@ from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 # 3: stock INFO turns decided by P's stats windows; TTFT and tokens client first; answered turns after a
 #    failed P attempt.
 # 4: partial reuse (handle, reuse limit, trimmed tokens and why) and P's wrong-KV and mismatch counts.
-TABLE_VERSION: Final = 4
+# 5: one verdict engine for every input (stock logs alone included).
+TABLE_VERSION: Final = 5
 
 TABLE_COLUMNS: Final = (
     "conversation_id", "turn", "turn_bucket", "prompt_tokens", "prompt_bucket", "verdict", "reused",
@@ -62,63 +64,67 @@ class ReportError(Exception):
     """The inputs cannot produce a report (no turns, unreadable cache); the message says why."""
 
 
-def _metadata_reason(verdict: Verdict, reason: str) -> str | None:
-    # The classifier names the missing-metadata cause inside its free-text reason.
-    if verdict is not Verdict.METADATA_NOT_RETURNED:
-        return None
-    for name in MISSING_METADATA_REASONS:
-        if name in reason:
-            return name
-    return "unknown"
+# The turn's own columns (a TurnRecord's, or the engine's decided row); the rest of TABLE_COLUMNS is derived
+# from them by DERIVE_SQL, the same for both.
+RAW_COLUMNS: Final = (
+    "conversation_id", "turn", "pos", "prompt_tokens", "verdict", "confidence", "request_id", "start_ts", "end_ts",
+    "ttft_ms", "latency_ms", "completion_tokens", "local_hit_tokens", "remote_offered_tokens", "remote_tokens",
+    "computed_tokens", "transfer_bytes", "transfer_ms", "prefill_ms", "gap_s", "entry_age_s", "status", "failure_type",
+    "model", *_TRIM_COLUMNS, "reason")
+
+
+def _in(verdicts: frozenset[Verdict]) -> str:
+    return ", ".join(f"'{v.value}'" for v in sorted(verdicts))
+
+
+def derive_sql(source: str) -> str:
+    """TABLE_COLUMNS from RAW_COLUMNS rows in ``source``: the buckets, the reuse flags, the missing-metadata
+    cause named in the reason, an end from start and latency, and a gap from the previous turn's end."""
+    edges = " ".join(f"WHEN prompt_tokens < {e} THEN '{b}'" for e, b in zip(_PROMPT_EDGES, PROMPT_BUCKETS,
+                                                                                strict=False))
+    reasons = " ".join(f"WHEN contains(reason, '{n}') THEN '{n}'" for n in MISSING_METADATA_REASONS)
+    end = "coalesce(end_ts, start_ts + latency_ms / 1000.0)"
+    since = f"start_ts - lag({end}) OVER (PARTITION BY conversation_id ORDER BY turn, pos)"
+    cols = {
+        "turn_bucket": "CASE WHEN turn <= 1 THEN '1' WHEN turn = 2 THEN '2' WHEN turn = 3 THEN '3' WHEN turn <= 7 "
+                       "THEN '4-7' ELSE '8+' END",
+        "prompt_bucket": f"CASE WHEN prompt_tokens IS NULL THEN NULL {edges} ELSE '{PROMPT_BUCKETS[-1]}' END",
+        "reused": f"verdict IN ({_in(REUSED_VERDICTS)})", "eligible": f"verdict IN ({_in(ELIGIBLE_VERDICTS)})",
+        "end_ts": end,
+        "gap_s": f"coalesce(gap_s, CASE WHEN turn > 1 THEN CASE WHEN {since} < 0 THEN 0.0 ELSE {since} END END)",
+        "metadata_reason": f"CASE WHEN verdict <> '{Verdict.METADATA_NOT_RETURNED.value}' THEN NULL {reasons} "
+                           "ELSE 'unknown' END",
+        "reason": "coalesce(reason, '')",
+    }
+    select = ", ".join(f"{cols[c]} AS {c}" if c in cols else c for c in TABLE_COLUMNS)
+    return f"SELECT {select} FROM {source} ORDER BY conversation_id, turn, pos"
+
+
+def _derive(con: duckdb.DuckDBPyConnection, source: str) -> pd.DataFrame:
+    # nullable integers straight from Arrow (no float round trip for normalize_table to undo)
+    table = con.sql(derive_sql(source)).to_arrow_table()
+    return normalize_table(table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get))
 
 
 def build_turn_table(conversations: Iterable[ConversationRecord]) -> pd.DataFrame:
     """Return one row per turn (columns TABLE_COLUMNS), with gaps filled from start/end times."""
-    cols: dict[str, list[Any]] = {name: [] for name in TABLE_COLUMNS}
+    cols: dict[str, list[Any]] = {name: [] for name in RAW_COLUMNS}
     for conv in conversations:
-        prev_end: float | None = None
-        for t in sorted(conv.turns, key=lambda r: r.turn):
-            gap = t.gap_s
-            if gap is None and prev_end is not None and t.start_ts is not None and t.turn > 1:
-                gap = max(0.0, t.start_ts - prev_end)
-            end = t.end_ts
-            if end is None and t.start_ts is not None and t.latency_ms is not None:
-                # Stock client stats give start and latency only: the end follows.
-                end = t.start_ts + t.latency_ms / 1000.0
-            prev_end = end
-            verdict = Verdict(t.verdict)
-            cols["conversation_id"].append(conv.conversation_id)
-            cols["turn"].append(t.turn)
-            cols["turn_bucket"].append(turn_bucket(t.turn))
-            cols["prompt_tokens"].append(t.prompt_tokens)
-            cols["prompt_bucket"].append(prompt_bucket(t.prompt_tokens) if t.prompt_tokens is not None else None)
-            cols["verdict"].append(verdict.value)
-            cols["reused"].append(verdict in REUSED_VERDICTS)
-            cols["eligible"].append(verdict in ELIGIBLE_VERDICTS)
-            cols["confidence"].append(str(t.confidence))
-            cols["request_id"].append(t.request_id)
-            cols["start_ts"].append(t.start_ts)
-            cols["end_ts"].append(end)
-            cols["ttft_ms"].append(t.ttft_ms)
-            cols["latency_ms"].append(t.latency_ms)
-            cols["completion_tokens"].append(t.completion_tokens)
-            cols["local_hit_tokens"].append(t.local_hit_tokens)
-            cols["remote_offered_tokens"].append(t.remote_offered_tokens)
-            cols["remote_tokens"].append(t.remote_tokens)
-            cols["computed_tokens"].append(t.computed_tokens)
-            cols["transfer_bytes"].append(t.transfer_bytes)
-            cols["transfer_ms"].append(t.transfer_ms)
-            cols["prefill_ms"].append(t.prefill_ms)
-            cols["gap_s"].append(gap)
-            cols["entry_age_s"].append(t.entry_age_s)
-            cols["status"].append(t.status)
-            cols["failure_type"].append(t.failure_type)
-            cols["metadata_reason"].append(_metadata_reason(verdict, t.reason))
-            cols["model"].append(t.model)
-            for name in _TRIM_COLUMNS:
-                cols[name].append(getattr(t, name))
-            cols["reason"].append(t.reason)
-    return normalize_table(pd.DataFrame(cols))
+        for pos, t in enumerate(conv.turns):
+            state = t.__dict__
+            for name in RAW_COLUMNS:
+                cols[name].append(pos if name == "pos" else state[name])
+            cols["conversation_id"][-1] = conv.conversation_id
+            cols["verdict"][-1] = Verdict(t.verdict).value
+            cols["confidence"][-1] = str(t.confidence)
+    types = {c: pa.float64() for c in _FLOAT_COLUMNS} | {c: pa.int64() for c in _INT_COLUMNS} | {"pos": pa.int64()}
+    raw = pa.table({c: pa.array(v, type=types.get(c, pa.string())) for c, v in cols.items()})
+    con = duckdb.connect()
+    try:
+        con.register("raw_turns", raw)
+        return _derive(con, "raw_turns")
+    finally:
+        con.close()
 
 
 def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -370,29 +376,53 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
                  fast: bool, events_only: bool) -> pd.DataFrame:
     # The cache is keyed by the inputs as given (a wrapped log's own path, size and mtime; an object's
     # mirrored copy), so a hit needs no unwrapping; the files read are the staged ones.
+    del fast  # one engine for every input: kept for callers of the two-path API
     key = list(staged.identity)
+    files = staged.paths if not events_only else []
     if events_only:
         files = [f.path for f in detect(staged.paths) if f.fmt == "events"]
         if not files:
             raise ReportError("--events-only: no kvdiag event files among the inputs")
         key = sorted({staged.origin.get(f, f) for f in files})
-    version = TABLE_VERSION
     if cache_dir is not None:
-        cached = parquet.load_cached_table(key, cache_dir, version)
+        cached = parquet.load_cached_table(key, cache_dir, TABLE_VERSION)
         if cached is not None:
             return normalize_table(cached)
-    if not events_only:
-        files = staged.paths
-    fast_table = fast_turn_table(files, columns=TABLE_COLUMNS) if fast else None
-    if fast_table is not None:
-        df = normalize_table(fast_table)
-    else:  # stock logs, or events only explain's correlator can join (report_fast says which)
-        df = build_turn_table(load_turns(files, progress=progress))
+    df = engine_table(files, progress)
     if staged.renamed and len(df):
         df["reason"] = [staged.display(r) for r in df["reason"]]
     if cache_dir is not None:
-        parquet.store_cached_table(df, key, cache_dir, version)
+        parquet.store_cached_table(df, key, cache_dir, TABLE_VERSION)
     return df
+
+
+_ENGINE_RAW: Final = ", ".join(
+    "CASE WHEN ev_gap_s IS NULL AND prev_sid IS NOT NULL THEN client_gap ELSE ev_gap_s END AS gap_s" if c == "gap_s"
+    else "start_ts + latency_ms / 1000.0 AS end_ts" if c == "end_ts" else c for c in RAW_COLUMNS)
+
+
+def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+    """The turn table of ``files`` (local, bare) from the verdict engine (the rules explain applies)."""
+    try:
+        detected = detect(files)
+    except LogReadError as exc:
+        raise UnreadableLogError(str(exc)) from None
+    run = run_all(detected, progress)
+    try:
+        # the benchmark's own clock gives a gap to 3 decimals as Python rounds it (explain's records do the same)
+        run.con.execute(f"CREATE TEMP TABLE raw_turns AS SELECT {_ENGINE_RAW}, ev_gap_s IS NULL AND prev_sid IS NOT "
+                        "NULL AND client_gap IS NOT NULL AS client_gap_used FROM decided")
+        rounded = run.con.execute("SELECT conversation_id, turn, pos, gap_s FROM raw_turns WHERE client_gap_used"
+                                  ).fetchall()
+        if rounded:
+            run.con.execute("CREATE TEMP TABLE gap_fix (conversation_id VARCHAR, turn BIGINT, pos BIGINT, g DOUBLE)")
+            run.con.executemany("INSERT INTO gap_fix VALUES (?, ?, ?, ?)",
+                                [(c, t, p, round(g, 3)) for c, t, p, g in rounded])
+            run.con.execute("UPDATE raw_turns SET gap_s = g FROM gap_fix WHERE raw_turns.conversation_id = "
+                            "gap_fix.conversation_id AND raw_turns.turn = gap_fix.turn AND raw_turns.pos = gap_fix.pos")
+        return _derive(run.con, "raw_turns")
+    finally:
+        run.con.close()
 
 
 def write_outputs(report: Report, *, csv: Path | None = None, parquet_path: Path | None = None,

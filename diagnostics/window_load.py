@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Final
 
-from kvdiag.diagnostics.correlate import LogIndex
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log import PROXY_RE, parse_proxy_numbered, wall_clock
@@ -24,6 +23,7 @@ from kvdiag.diagnostics.windows import (
     MAX_BLOCK,
     OPEN_READ_S,
     Ledger,
+    LogIndex,
     ProxyRange,
     build_ledger,
     vllm_wall_clock,

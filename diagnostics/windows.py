@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvdiag.diagnostics.correlate import LogIndex, record_rids
 from kvdiag.diagnostics.detect import rotation_base
+from kvdiag.diagnostics.json_logs import EventRecord
 from kvdiag.diagnostics.proxy_log import ProxyRecord, wall_clock
 from kvdiag.diagnostics.vllm_log import VllmRecord, header_request_id
 from kvdiag.schema.verdicts import Verdict
@@ -47,6 +47,28 @@ _READ_KINDS: Final = frozenset({"read_blocks", "finished_recving"})
 _EVENT_NO_READ: Final = frozenset(v.value for v in (
     Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD, Verdict.TRANSFER_FAILED, Verdict.FEATURE_DISABLED_ON_PREFILL,
     Verdict.PREFIX_MISMATCH))
+
+
+@dataclass
+class LogIndex:
+    """The records the stats windows read: P's and D's lines, the proxy's, P's events, and each file's role."""
+
+    events: list[EventRecord] = field(default_factory=list)
+    proxy: list[ProxyRecord] = field(default_factory=list)
+    vllm: list[VllmRecord] = field(default_factory=list)
+    file_roles: dict[str, str | None] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)  # path -> format
+
+
+def record_rids(rec: VllmRecord) -> list[str]:
+    """The request ids a vLLM record names (its own, a failed batch's, a NIXL context's)."""
+    f = rec.fields
+    rids = [f["request_id"]] if isinstance(f.get("request_id"), str) else []
+    rids += [r for r in f.get("request_ids", []) if isinstance(r, str)]
+    ctx = f.get("context")
+    if isinstance(ctx, dict) and isinstance(ctx.get("request_id"), str):
+        rids.append(ctx["request_id"])
+    return rids
 
 
 @functools.lru_cache(maxsize=1024)

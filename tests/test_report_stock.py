@@ -1,8 +1,8 @@
-"""report's DuckDB path over events + stock logs gives explain's table exactly, or declines to the parser.
+"""report's table over events + stock logs is explain's, row for row: one verdict engine for every shape.
 
 The data sets are benchmarks/gen_logs.py's (stock vLLM, proxy and client-stats logs beside router,
-client and prefill events), then reshaped one way per case: each reshaping either keeps the DuckDB
-path (and must give the parser's table, ``DataFrame.equals``) or is a shape it declines.
+client and prefill events), then reshaped one way per case (formerly shapes one of two copies of the
+rules did not model); each must give explain's table (``DataFrame.equals``) and what the stock logs add.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvdiag.diagnostics import engine_parse
 from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.proxy_log import parse_proxy_log
 from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
-from kvdiag.diagnostics.report_fast import fast_turn_table
-from kvdiag.diagnostics.report_stock import Decline, parse_proxy_lines
 
 KEY = ["conversation_id", "turn"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,12 +167,11 @@ KEEPS: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.mark.parametrize("shape", list(KEEPS))
-def test_stock_beside_events_stays_in_duckdb_and_equals_the_parser(tmp_path: Path, shape: str) -> None:
+def test_stock_beside_events_gives_explains_table(tmp_path: Path, shape: str) -> None:
     out = _generate(tmp_path / "run", seed=len(shape))
     KEEPS[shape](out)
     files = _files(out)
-    fast = fast_turn_table(files)
-    assert fast is not None, f"{shape}: the DuckDB path declined"
+    fast = load_turn_table(files)
     slow = _parsed(files)
     _same(fast, slow)
     # the stock logs did change the table: this is no events-only table
@@ -253,11 +251,10 @@ DECLINES: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.mark.parametrize("shape", list(DECLINES))
-def test_shapes_only_the_parser_models_decline(tmp_path: Path, shape: str) -> None:
+def test_other_shapes_give_explains_table_too(tmp_path: Path, shape: str) -> None:
     out = _generate(tmp_path / "run", seed=3)
     DECLINES[shape](out)
     files = _files(out)
-    assert fast_turn_table(files) is None
     _same(load_turn_table(files), _parsed(files))
 
 
@@ -272,8 +269,7 @@ def test_an_entry_age_comes_from_the_hit_line_just_before_the_lookup(tmp_path: P
     lines[at:at] = [f"{head} conv={conv}: cache HIT (age=77.5s)", f"{head} conv=OTHER: cache HIT (age=1.0s)"]
     (out / "proxy.log").write_text("\n".join(lines) + "\n")
     files = _files(out)
-    fast = fast_turn_table(files)
-    assert fast is not None
+    fast = load_turn_table(files)
     _same(fast, _parsed(files))
     assert (fast["entry_age_s"] == 77.5).sum() == 1
 
@@ -306,11 +302,13 @@ def test_proxy_kinds_and_groups_match_the_parser(tmp_path: Path, rows: list[tupl
             if rec.kind not in ("cached", "no_conversation_id", "ready")]
     con = duckdb.connect()
     try:
-        parse_proxy_lines(con, [str(path)])
-        got = [tuple(row) for row in con.sql(f"SELECT kind, {', '.join(_FIELDS)} FROM proxy_lines ORDER BY f, n"
+        engine_parse.create_line_tables(con)
+        con.execute(engine_parse.read_lines_sql("lines_proxy", 0, str(path)))
+        for q in engine_parse.parse_proxy_sql():
+            con.execute(q)
+        got = [tuple(row) for row in con.sql(f"SELECT kind, {', '.join(_FIELDS)} FROM pl "
+                                             "WHERE kind NOT IN ('cached', 'no_conversation_id', 'ready') ORDER BY f, n"
                                              ).fetchall()]
-    except Decline:
-        return  # a line whose kind the SQL cannot vouch for: the parser's table is used
     finally:
         con.close()
     assert got == want
@@ -328,18 +326,15 @@ def test_combined_reshapings_stay_equal(tmp_path_factory: pytest.TempPathFactory
     if gz:
         _gzipped(out)
     files = _files(out)
-    fast = fast_turn_table(files)
-    assert fast is not None, f"{sorted(shapes)}: the DuckDB path declined"
-    _same(fast, _parsed(files))
+    _same(load_turn_table(files), _parsed(files))
 
 
 
 @pytest.mark.parametrize("seed", [0, 192])
-def test_a_lone_cr_in_a_crlf_proxy_log_declines(tmp_path: Path, seed: int) -> None:
+def test_a_lone_cr_in_a_crlf_proxy_log_keeps_every_line(tmp_path: Path, seed: int) -> None:
     # DuckDB read "\r2025-..." as a CRLF line end plus "025-..." on seed 192's file: the line was lost
     out = _generate(tmp_path / "run", seed=seed)
     _lone_cr_proxy(out)
     _crlf_proxy(out)
     files = _files(out)
-    assert fast_turn_table(files) is None
     _same(load_turn_table(files), _parsed(files))
