@@ -170,7 +170,8 @@ def parse_json_sql() -> list[str]:
             SELECT f, n, line FROM lines_json WHERE line IS NOT NULL
               AND NOT (starts_with({_trimmed('line')}, '{{') AND json_valid({_trimmed('line')}))
               AND {_trimmed('line')} <> ''
-            UNION ALL SELECT l.f, l.n, l.line FROM lines_json l JOIN (SELECT f, n FROM ev WHERE NOT ok) b USING (f, n)""",
+            UNION ALL SELECT l.f, l.n, l.line FROM lines_json l
+              JOIN (SELECT f, n FROM ev WHERE NOT ok) b USING (f, n)""",
         "DELETE FROM ev WHERE NOT ok",
         "ALTER TABLE ev DROP COLUMN ok",
         f"""CREATE TEMP TABLE cs AS SELECT f, n, left(t, 500) AS text,
