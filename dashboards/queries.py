@@ -249,6 +249,21 @@ def decode_leg_quantile(c: MixinConfig, q: float) -> str:
     return quantile(q, f"kvdiag_decode_leg_seconds_bucket{router(c)}")
 
 
+def placement_rate_by_reason(c: MixinConfig) -> str:
+    """Placement decisions per second, by leg and the reason the instance was chosen."""
+    return f"sum by (leg, reason) (rate(kvdiag_placement_decisions_total{router(c, model=False)}[{RATE}]))"
+
+
+def upstream_healthy(c: MixinConfig) -> str:
+    """1 while a P or D instance is admitted, 0 while ejected (the lowest over router replicas), by leg and index."""
+    return f"min by (leg, index) (kvdiag_upstream_healthy{router(c, model=False)})"
+
+
+def upstream_in_flight(c: MixinConfig) -> str:
+    """Requests in flight on each P and D instance, summed over router replicas."""
+    return f"sum by (leg, index) (kvdiag_upstream_in_flight{router(c, model=False)})"
+
+
 def in_flight_turns(c: MixinConfig) -> str:
     """Turns being routed right now."""
     return f"sum by (instance) (kvdiag_in_flight_turns{router(c, model=False)})"

@@ -43,6 +43,25 @@ def build(config: MixinConfig) -> dashboard.Dashboard:
             units.Seconds,
             [Target(q.prefill_leg_quantile(config, 0.95), "prefill reused={{reused}}"),
              Target(q.decode_leg_quantile(config, 0.95), "decode")], width=12))
+        .with_row(dashboard.Row("Placement and upstream health"))
+        .with_panel(timeseries_panel(
+            "Placement decisions by reason",
+            "Where turns went, per second, by leg and why that instance: round_robin (the default policy), "
+            "affinity (the D that served the conversation's last turn), locality (the P that did), branch "
+            "(a concurrent turn follows its sibling's P), least_loaded, overloaded or fallback_unhealthy "
+            "(the preferred instance was over the load bound or ejected).",
+            units.OpsPerSecond, [Target(q.placement_rate_by_reason(config), "{{leg}} {{reason}}")], width=8,
+            stacked=True))
+        .with_panel(timeseries_panel(
+            "Upstream health (1 admitted, 0 ejected)",
+            "Each P and D instance by index: ejected after consecutive connect errors, timeouts or 5xx, "
+            "taken back after the ejection time or a passing /health probe. The lowest value across router "
+            "replicas.", units.Short, [Target(q.upstream_healthy(config), "{{leg}} {{index}}")], width=8,
+            max_value=1))
+        .with_panel(timeseries_panel(
+            "Requests in flight per instance",
+            "Requests the routers have in flight on each P and D instance (the load that placement balances).",
+            units.Short, [Target(q.upstream_in_flight(config), "{{leg}} {{index}}")], width=8))
         .with_row(dashboard.Row("Turns and clients"))
         .with_panel(timeseries_panel(
             "Turns in flight", "Turns being routed right now, per router instance.",
