@@ -197,12 +197,12 @@ def add_document(run: Run, f: int) -> None:
                     "NULL::BIGINT AS n, NULL::VARCHAR AS text, NULL::VARCHAR AS conversation_id, NULL::DOUBLE AS "
                     "ttft_ms, NULL::DOUBLE AS latency_ms, NULL::DOUBLE AS start_time_ms, NULL::BIGINT AS "
                     "input_num_turns, NULL::BIGINT AS input_num_tokens, NULL::BIGINT AS output_num_tokens, "
-                    "NULL::BIGINT AS turn, NULL::VARCHAR AS request_id) WHERE false")
+                    "NULL::BIGINT AS turn, NULL::VARCHAR AS request_id, 0 AS sub) WHERE false")
     rows = [(f, r.lineno, r.text, r.conversation_id, r.ttft_ms, r.latency_ms, r.start_time_ms, r.input_num_turns,
-             r.input_num_tokens, r.output_num_tokens, r.turn, r.request_id)
+             r.input_num_tokens, r.output_num_tokens, r.turn, r.request_id, 0)
             for r in parse_json_document(data, path, run.stats)]
     if rows:
-        run.con.executemany("INSERT INTO cs_doc VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        run.con.executemany("INSERT INTO cs_doc VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
 
 def parse(run: Run) -> None:

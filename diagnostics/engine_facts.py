@@ -177,14 +177,14 @@ def facts_sql() -> list[str]:
              c.output_num_tokens AS s_output_num_tokens, c.ref AS stat_ref, c.ref IS NOT NULL AS has_stat
            FROM slots s LEFT JOIN ev_facts e USING (sid) LEFT JOIN decider d USING (sid)
            LEFT JOIN px_facts p USING (sid) LEFT JOIN vl_facts v USING (sid)
-           LEFT JOIN (SELECT cs_slot.sid, arg_max(cs.ttft_ms, {REF.replace('f', 'cs.f').replace('+ n', '+ cs.n')})
-                        AS ttft_ms, arg_max(cs.latency_ms, cs.f * 1e12 + cs.n) AS latency_ms,
-                        arg_max(cs.start_time_ms, cs.f * 1e12 + cs.n) AS start_time_ms,
-                        arg_max(cs.input_num_turns, cs.f * 1e12 + cs.n) AS input_num_turns,
-                        arg_max(cs.input_num_tokens, cs.f * 1e12 + cs.n) AS input_num_tokens,
-                        arg_max(cs.output_num_tokens, cs.f * 1e12 + cs.n) AS output_num_tokens,
+           LEFT JOIN (SELECT cs_slot.sid, arg_max(cs.ttft_ms, (cs.f, cs.n, cs.sub)) AS ttft_ms,
+                        arg_max(cs.latency_ms, (cs.f, cs.n, cs.sub)) AS latency_ms,
+                        arg_max(cs.start_time_ms, (cs.f, cs.n, cs.sub)) AS start_time_ms,
+                        arg_max(cs.input_num_turns, (cs.f, cs.n, cs.sub)) AS input_num_turns,
+                        arg_max(cs.input_num_tokens, (cs.f, cs.n, cs.sub)) AS input_num_tokens,
+                        arg_max(cs.output_num_tokens, (cs.f, cs.n, cs.sub)) AS output_num_tokens,
                         max((cs.f::BIGINT << 40) + cs.n) AS ref
-                      FROM cs_slot JOIN cs USING (f, n) GROUP BY cs_slot.sid) c USING (sid)""",
+                      FROM cs_slot JOIN cs USING (f, n, sub) GROUP BY cs_slot.sid) c USING (sid)""",
     ]
 
 

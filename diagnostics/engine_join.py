@@ -129,7 +129,7 @@ def join_sql(only: str | None) -> list[str]:
         """CREATE TEMP TABLE px_slot AS SELECT p.*, b.sid FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
         """CREATE TEMP TABLE cs_slot AS
-           SELECT a.f, a.n, coalesce(b.sid, pl.sid, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
+           SELECT a.f, a.n, a.sub, coalesce(b.sid, pl.sid, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
              AND s.turn = a.nturn)) AS sid FROM cs_pick a
            LEFT JOIN by_rid b ON b.rid = a.rid_match
            LEFT JOIN (SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s ON s.conv = p.conv AND s.turn = p.turn
@@ -240,7 +240,7 @@ def _stats_sql(only: str | None) -> list[str]:
     return [
         """CREATE TEMP TABLE cs_num AS SELECT cs.*, row_number() OVER (PARTITION BY conversation_id
              ORDER BY CASE WHEN all_turns THEN 0 ELSE coalesce(input_num_turns, 0) END,
-                      CASE WHEN all_turns THEN 0.0 ELSE coalesce(start_time_ms, 0.0) END, f, n) AS k,
+                      CASE WHEN all_turns THEN 0.0 ELSE coalesce(start_time_ms, 0.0) END, f, n, sub) AS k,
              all_turns
            FROM (SELECT *, bool_and(turn IS NOT NULL) OVER (PARTITION BY conversation_id) AS all_turns FROM cs) cs""",
         f"""CREATE TEMP TABLE cs_first AS SELECT conversation_id, count(*) AS nstats,
@@ -256,7 +256,7 @@ def _stats_sql(only: str | None) -> list[str]:
            LEFT JOIN (SELECT k.rid, min(t.ts) AS ts FROM ev_slot_key k JOIN tev t USING (f, n) GROUP BY k.rid) t
              ON t.rid = s.rid""",
         """CREATE TEMP TABLE cs_pick AS
-           SELECT c.f, c.n, c.conversation_id, c.k,
+           SELECT c.f, c.n, c.sub, c.conversation_id, c.k,
              CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) THEN c.request_id END
                AS rid_match,
              CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) OR c.turn IS NOT NULL

@@ -181,7 +181,7 @@ def parse_json_sql() -> list[str]:
               {_num('start_time_ms')} AS start_time_ms, {_int('input_num_turns')} AS input_num_turns,
               {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
-              CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id
+              CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub
             FROM (SELECT o.f, o.n, o.t, from_json(o.t, '{_STAT_SCHEMA}') AS s FROM ({objects}) o
                   JOIN jk ON jk.k = json_keys(o.t) WHERE NOT jk.is_event)
             WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
@@ -190,7 +190,7 @@ def parse_json_sql() -> list[str]:
 
 EV_ROW_COLUMNS: Final = ("f", "n", "text", *EVENT_FIELDS, "cconv", "attr_bidir", "attr_block_size", "attr_ttl")
 CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latency_ms", "start_time_ms",
-                         "input_num_turns", "input_num_tokens", "output_num_tokens", "turn", "request_id")
+                         "input_num_turns", "input_num_tokens", "output_num_tokens", "turn", "request_id", "sub")
 
 
 def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: LineStats) -> None:
@@ -202,6 +202,7 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
     events: list[tuple[object, ...]] = []
     stats_rows: list[tuple[object, ...]] = []
     by_file: dict[int, list[tuple[int, str]]] = {}
+    seen: dict[tuple[int, int], int] = {}
     for f, n, line in odd:
         by_file.setdefault(f, []).append((n, line))
     for f, numbered in by_file.items():
@@ -217,9 +218,12 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
                                block if isinstance(block, int) and not isinstance(block, bool) else None,
                                float(ttl) if isinstance(ttl, int | float) and not isinstance(ttl, bool) else None))
             elif isinstance(rec, ClientStat):
+                # a JSON array on one line holds several records: ``sub`` tells them apart
+                sub = seen.get((f, rec.lineno), 0)
+                seen[(f, rec.lineno)] = sub + 1
                 stats_rows.append((f, rec.lineno, rec.text, rec.conversation_id, rec.ttft_ms, rec.latency_ms,
                                    rec.start_time_ms, rec.input_num_turns, rec.input_num_tokens,
-                                   rec.output_num_tokens, rec.turn, rec.request_id))
+                                   rec.output_num_tokens, rec.turn, rec.request_id, sub))
     _append_rows(con, "ev", EV_ROW_COLUMNS, events)
     _append_rows(con, "cs", CS_ROW_COLUMNS, stats_rows)
 
