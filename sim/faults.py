@@ -15,7 +15,8 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
-# vLLM's failure_type values for a reader (docs/vllm-reference.md, log lines); transfer_exception behaves as transfer_failed.
+# vLLM's failure_type values for a reader (docs/vllm-reference.md, log lines);
+# transfer_exception behaves as transfer_failed.
 FAILURE_TYPES: Final = ("handshake_setup_failed", "handshake_failed", "transfer_failed", "transfer_setup_failed",
                         "notification_failed")
 POLICIES: Final = ("fail", "recompute")

@@ -1,4 +1,4 @@
-"""The stock vLLM log parser against real lines (formats in docs/vllm-reference.md; samples from vLLM 0.33 and public bug reports)."""
+"""The stock vLLM log parser against real lines (docs/vllm-reference.md; vLLM 0.33 and public bug reports)."""
 
 from __future__ import annotations
 
