@@ -169,7 +169,7 @@ def facts_sql() -> list[str]:
               {_first(REF, 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS vl_failed_ref
             FROM fl GROUP BY sid""",
         # ---- one row per turn
-        f"""CREATE TEMP TABLE turn_facts AS
+        """CREATE TEMP TABLE turn_facts AS
            SELECT s.sid, s.conv AS conversation_id, s.turn, s.rid AS request_id,
              e.* EXCLUDE (sid), d.* EXCLUDE (sid), p.* EXCLUDE (sid), v.* EXCLUDE (sid),
              c.ttft_ms AS s_ttft_ms, c.latency_ms AS s_latency_ms, c.start_time_ms AS s_start_time_ms,
