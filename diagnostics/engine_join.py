@@ -129,8 +129,8 @@ def join_sql(only: str | None) -> list[str]:
         """CREATE TEMP TABLE px_slot AS SELECT p.*, b.sid FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
         """CREATE TEMP TABLE cs_slot AS
-           SELECT a.f, a.n, a.sub, coalesce(b.sid, pl.sid, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
-             AND s.turn = a.nturn)) AS sid FROM cs_pick a
+           SELECT a.f, a.n, a.sub, coalesce(b.sid, pl.sid, (SELECT min(s.sid) FROM slots s
+             WHERE s.conv = a.conversation_id AND s.turn = a.nturn)) AS sid FROM cs_pick a
            LEFT JOIN by_rid b ON b.rid = a.rid_match
            LEFT JOIN (SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s ON s.conv = p.conv AND s.turn = p.turn
                         AND s.rid IS NOT DISTINCT FROM p.rid) pl
