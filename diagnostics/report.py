@@ -378,7 +378,7 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
     # mirrored copy), so a hit needs no unwrapping; the files read are the staged ones.
     del fast  # one engine for every input: kept for callers of the two-path API
     key = list(staged.identity)
-    files = staged.paths if not events_only else []
+    files: list[str] = []
     if events_only:
         files = [f.path for f in detect(staged.paths) if f.fmt == "events"]
         if not files:
@@ -388,6 +388,8 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
         cached = parquet.load_cached_table(key, cache_dir, TABLE_VERSION)
         if cached is not None:
             return normalize_table(cached)
+    if not events_only:
+        files = staged.paths  # wrapped inputs are unwrapped here, on a miss only
     df = engine_table(files, progress)
     if staged.renamed and len(df):
         df["reason"] = [staged.display(r) for r in df["reason"]]
