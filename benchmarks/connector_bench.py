@@ -48,7 +48,7 @@ def _digest(eng: Engine, prompt: list[int], tokens: int, diverge: bool) -> dict[
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from kvdiag.instrumentation.report import make_digest
+    from kvdiag.schema.prefix_digest import make_digest
 
     held = list(prompt[:tokens])
     if diverge:

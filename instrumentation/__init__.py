@@ -1,6 +1,7 @@
-"""Instrumented vLLM NIXL connector (docs/connector.md).
+"""Internal: what runs inside a vLLM engine, the instrumented NIXL connector (docs/connector.md).
 
-Importing this package never imports vLLM: ``report`` (Contract 4's rule, the digest) and ``guard``
-are pure Python; ``connector``, ``worker``, ``stats``, ``vllm_engine`` and ``engine_vllm`` import
-vLLM and are loaded only inside a vLLM engine (``kv_connector_module_path``) or the CPU testbed.
+vLLM loads it by module path (``kv_connector_module_path``); no other kvdiag module imports it.
+Importing this package never imports vLLM: only ``connector``, ``worker`` and ``stats`` do, and
+``guard`` and ``sink`` are pure Python. P's outcome rule and the block-hash digest it shares with
+the emulated engines live in ``kvdiag.schema``.
 """

@@ -38,13 +38,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from kvdiag.diagnostics.vllm_log import header_request_id
 from kvdiag.instrumentation.guard import Guard
-from kvdiag.instrumentation.report import DIGEST_KEY, DigestError, PrefillView, check_prefix, make_digest
 from kvdiag.instrumentation.sink import FieldsEventSink
 from kvdiag.instrumentation.stats import KVDiagNixlStats, KVDiagPromMetrics
 from kvdiag.instrumentation.worker import ObservedPullWorker
 from kvdiag.schema.events import REPORT_KEY, now_ts
+from kvdiag.schema.prefill_outcome import PrefillView
+from kvdiag.schema.prefix_digest import DIGEST_KEY, DigestError, check_prefix, make_digest
+from kvdiag.schema.request_ids import header_request_id
 
 _logger = logging.getLogger(__name__)
 # Under vLLM's logger tree, so inside an engine the line lands in vLLM's log with its format.

@@ -17,8 +17,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
 from kvdiag.instrumentation.guard import Guard
-from kvdiag.instrumentation.report import DECLINED_EXPIRED
 from kvdiag.instrumentation.stats import KVDiagNixlStats
+from kvdiag.schema.prefill_outcome import DECLINED_EXPIRED
 
 _logger = logging.getLogger(__name__)
 

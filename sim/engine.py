@@ -20,8 +20,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvdiag.exporters.jsonl import EventSink
-from kvdiag.instrumentation.report import DIGEST_KEY, PrefillView, make_digest
 from kvdiag.schema.events import PrefillReport, TurnEvent, now_ts
+from kvdiag.schema.prefill_outcome import PrefillView
+from kvdiag.schema.prefix_digest import DIGEST_KEY, make_digest
+from kvdiag.schema.request_ids import MAX_HEADER_ID, vllm_request_ids
 from kvdiag.schema.verdicts import Verdict
 from kvdiag.sim import vllm_log as vl
 from kvdiag.sim.config import EngineConfig
@@ -240,10 +242,8 @@ class Engine:
                     params: dict[str, Any] | None, seed: int = 0, arrival: float | None = None,
                     plan: OutputPlan | None = None) -> RequestState:
         """Assign vLLM's ids: external ``chatcmpl-<X-Request-Id>``, internal ``<external>-<8 hex>``."""
-        request_id = request_id[:256] if request_id else None  # client-supplied: bound what reaches logs
-        base = request_id or uuid.uuid4().hex
-        external = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
-        internal = f"{external}-{uuid.uuid4().hex[:8]}"
+        request_id = request_id[:MAX_HEADER_ID] if request_id else None  # client-supplied: bound what reaches logs
+        external, internal = vllm_request_ids(request_id, kind)
         role = "plain"
         if isinstance(params, dict):
             role = "P" if params.get("do_remote_decode") else ("D" if params.get("do_remote_prefill") else "plain")

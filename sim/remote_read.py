@@ -2,7 +2,7 @@
 
 P runs it with D's handle (D->P, bidirectional turn 2); D runs it with P's params (P->D). The
 result records the facts (offered, read, bytes, ms, failure type); P turns them into the Contract 4
-outcome with the rule it shares with the real connector (kvdiag.instrumentation.report). Failures
+outcome with the rule it shares with the real connector (kvdiag.schema.prefill_outcome). Failures
 are logged with vLLM's own lines; the caller applies ``kv_load_failure_policy``.
 
 The read is positional, as in vLLM 0.33: the reader counts ``min(remote_num_tokens, prompt) -
@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from kvdiag.instrumentation.report import DECLINED_EXPIRED, DIGEST_KEY, DigestError, check_prefix
+from kvdiag.schema.prefill_outcome import DECLINED_EXPIRED
+from kvdiag.schema.prefix_digest import DIGEST_KEY, DigestError, check_prefix
 from kvdiag.sim import vllm_log as vl
 from kvdiag.sim.kvcache import blocks_for, chain_hashes
 from kvdiag.sim.nixl import NixlFailure, RemoteAgent

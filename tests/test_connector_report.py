@@ -11,17 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvdiag.instrumentation.guard import Guard
-from kvdiag.instrumentation.report import (
-    DECLINED_EXPIRED,
-    MAX_CHECKPOINTS,
-    DigestError,
-    PrefillView,
-    check_prefix,
-    first_mismatch,
-    make_digest,
-)
 from kvdiag.instrumentation.sink import FieldsEventSink, event_json
 from kvdiag.schema.events import PrefillReport, TurnEvent, read_events
+from kvdiag.schema.prefill_outcome import DECLINED_EXPIRED, PrefillView
+from kvdiag.schema.prefix_digest import MAX_CHECKPOINTS, DigestError, check_prefix, first_mismatch, make_digest
 
 
 def view(**kw: object) -> PrefillView:
@@ -233,8 +226,9 @@ def test_guard_swallows_counts_and_logs(caplog: pytest.LogCaptureFixture) -> Non
         raise KeyboardInterrupt
 
 
-def test_instrumentation_package_and_report_do_not_import_vllm() -> None:
-    code = ("import sys, kvdiag.instrumentation, kvdiag.instrumentation.report, kvdiag.instrumentation.guard; "
+def test_instrumentation_package_and_the_outcome_rule_do_not_import_vllm() -> None:
+    code = ("import sys, kvdiag.instrumentation, kvdiag.instrumentation.guard, kvdiag.schema.prefill_outcome, "
+            "kvdiag.schema.prefix_digest; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'nixl')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"

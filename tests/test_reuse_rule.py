@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from router_support import BLOCK, Reply, VllmStub, prompt_tokens_of, tokens
 
-from kvdiag.instrumentation.report import first_mismatch, make_digest
 from kvdiag.router.config import RouterConfig, Upstream
 from kvdiag.router.reply import observe_body
 from kvdiag.router.reuse import ReuseGuard
@@ -41,6 +40,7 @@ from kvdiag.router.reuse_rule import (
     trim_handle,
 )
 from kvdiag.router.store import Handle
+from kvdiag.schema.prefix_digest import first_mismatch, make_digest
 from kvdiag.schema.verdicts import TrimReason
 
 UPS = (Upstream("127.0.0.1", 1),)

@@ -250,7 +250,7 @@ def s7_handshake_failed(work: Path) -> dict[str, Any]:
 
 def s8_observer_error(work: Path) -> dict[str, Any]:
     """A bug inside the observation: caught, counted, logged; the requests complete unchanged."""
-    from kvdiag.instrumentation import report
+    from kvdiag.schema import prefill_outcome as report
 
     def broken(self: Any, **_: Any) -> Any:
         raise RuntimeError("injected kvdiag bug")
