@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,11 +60,25 @@ class Run:
     con: duckdb.DuckDBPyConnection
     stats: LineStats = field(default_factory=LineStats)
     only: str | None = None
+    timings: list[tuple[str, float, float]] = field(default_factory=list)  # KVDIAG_PROFILE: (statement, wall, cpu)
 
     @property
     def paths(self) -> dict[int, str]:
         """File index -> path."""
         return {f: lf.path for f, lf in enumerate(self.files)}
+
+
+def execute(run: Run, sql: str) -> None:
+    """Run one statement; with KVDIAG_PROFILE set, its wall and CPU seconds go to ``run.timings``."""
+    if not PROFILE:
+        run.con.execute(sql)
+        return
+    w, c = time.perf_counter(), time.process_time()
+    run.con.execute(sql)
+    run.timings.append((" ".join(sql.split())[:60], time.perf_counter() - w, time.process_time() - c))
+
+
+PROFILE: Final = bool(os.environ.get("KVDIAG_PROFILE"))
 
 
 def connect() -> duckdb.DuckDBPyConnection:
@@ -208,7 +223,7 @@ def add_document(run: Run, f: int) -> None:
 def parse(run: Run) -> None:
     """Lines into record tables (engine_parse), odd JSON lines through json_logs."""
     for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.parse_vllm_sql()):
-        run.con.execute(q)
+        execute(run, q)
     if run.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'cs_doc'").fetchall()[0][0]:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
     ep.read_odd_json(run.con, run.paths, run.stats)
@@ -312,7 +327,7 @@ WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, w_refs
 def decide(run: Run) -> None:
     """Correlate, collect the facts and apply the rules: ``decided`` (one row per turn)."""
     for q in (*join_sql(run.only), *facts_sql(), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL):
-        run.con.execute(q)
+        execute(run, q)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
 

@@ -188,13 +188,20 @@ def facts_sql() -> list[str]:
     ]
 
 
+_WS: Final = "' \t\r\n\x0b\x0c'"
+
+
 def evidence_sql(refs: str) -> str:
     """SELECT (ref, source, text) for the refs in table ``refs`` (column ``ref``): each record's ``file:line``
     and its text (at most 300 characters), as explain prints them."""
     return f"""
 WITH r AS (SELECT DISTINCT ref, (ref >> 40)::INTEGER AS f, (ref & ((1::BIGINT << 40) - 1)) AS n FROM {refs}),
-t AS (SELECT r.ref, r.f, r.n, coalesce(e.text, p.text, c.text, v.text) AS text FROM r
-      LEFT JOIN ev e ON e.f = r.f AND e.n = r.n LEFT JOIN pl p ON p.f = r.f AND p.n = r.n
-      LEFT JOIN cs c ON c.f = r.f AND c.n = r.n LEFT JOIN vl v ON v.f = r.f AND v.n = r.n)
+t AS (SELECT r.ref, r.f, r.n, coalesce(e.text, c.text, v.text, CASE WHEN lj.line IS NOT NULL THEN left(CASE
+        WHEN starts_with(lj.line, '{{') AND ends_with(lj.line, '}}') THEN lj.line ELSE trim(lj.line, {_WS}) END, 500)
+        END, left(CASE WHEN ends_with(lp.line, chr(13)) THEN rtrim(lp.line, chr(13)) ELSE lp.line END, 500)) AS text
+      FROM r LEFT JOIN ev e ON e.f = r.f AND e.n = r.n
+      LEFT JOIN (SELECT f, n, arg_max(text, sub) AS text FROM cs GROUP BY f, n) c ON c.f = r.f AND c.n = r.n
+      LEFT JOIN vl v ON v.f = r.f AND v.n = r.n LEFT JOIN lines_json lj ON lj.f = r.f AND lj.n = r.n
+      LEFT JOIN lines_proxy lp ON lp.f = r.f AND lp.n = r.n)
 SELECT t.ref, fl.path || ':' || t.n AS source, left(t.text, 300) AS text FROM t JOIN files fl USING (f)
 WHERE t.text IS NOT NULL"""

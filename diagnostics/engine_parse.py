@@ -26,7 +26,7 @@ from typing import Final
 import duckdb
 import pyarrow as pa
 
-from kvdiag.diagnostics import vllm_log
+from kvdiag.diagnostics import proxy_log, vllm_log
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
 from kvdiag.diagnostics.proxy_log import CLASSIFIERS as PROXY_CLASSIFIERS
@@ -139,9 +139,12 @@ def _int(key: str) -> str:
 
 
 def _trimmed(col: str) -> str:
-    # str.strip() of a JSON line: only lines that start or end with whitespace pay for it
-    ws = "(9, 10, 11, 12, 13, 32)"
-    return f"CASE WHEN ascii({col}) IN {ws} OR ascii(right({col}, 1)) IN {ws} THEN trim({col}, {_WS}) ELSE {col} END"
+    # str.strip() of a JSON line: only lines that do not start with "{" and end with "}" pay for it
+    return f"CASE WHEN starts_with({col}, '{{') AND ends_with({col}, '}}') THEN {col} ELSE trim({col}, {_WS}) END"
+
+
+# A line's trailing CR (a CRLF file read by Python keeps it): only such lines pay for the trim.
+_RTRIM_CR: Final = "CASE WHEN ends_with({0}, chr(13)) THEN rtrim({0}, chr(13)) ELSE {0} END"
 
 
 def parse_json_sql() -> list[str]:
@@ -154,7 +157,8 @@ def parse_json_sql() -> list[str]:
         f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(k, 'v') AND list_contains(k, 'source')
               AND list_contains(k, 'event') AS is_event, list_has_all([{keys}], k) AS known
             FROM (SELECT DISTINCT json_keys(t) AS k FROM ({objects}))""",
-        f"""CREATE TEMP TABLE ev AS SELECT f, n, left(t, 500) AS text,
+        # (no text column: evidence is looked up on the lines, for the turns explain prints)
+        f"""CREATE TEMP TABLE ev AS SELECT f, n, NULL::VARCHAR AS text,
               {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
               CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
                    THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
@@ -174,7 +178,7 @@ def parse_json_sql() -> list[str]:
               JOIN (SELECT f, n FROM ev WHERE NOT ok) b USING (f, n)""",
         "DELETE FROM ev WHERE NOT ok",
         "ALTER TABLE ev DROP COLUMN ok",
-        f"""CREATE TEMP TABLE cs AS SELECT f, n, left(t, 500) AS text,
+        f"""CREATE TEMP TABLE cs AS SELECT f, n, NULL::VARCHAR AS text,
               CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
                    ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
               {_num('ttft_ms')} AS ttft_ms, {_num('latency_ms')} AS latency_ms,
@@ -261,32 +265,69 @@ def _re2(pattern: re.Pattern[str]) -> str:
     return ("(?s)" if pattern.flags & re.DOTALL else "") + "".join(out)
 
 
+def _between(start: str, end: str | None) -> str:
+    """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end)."""
+    after = f"substr(msg, strpos(msg, {sql_str(start)}) + {len(start)})"
+    return after if end is None else f"left({after}, strpos({after}, {sql_str(end)}) - 1)"
+
+
+# Groups of the common proxy lines cut out by position: the kind's pattern (matched without captures, which
+# RE2 runs several times faster) proves the shape, and each group then ends at the first character its
+# class excludes (a space for conversation ids, "]" for request ids, a letter for numbers). The rest are
+# extracted by their pattern.
+_RID: Final = _between("[", "]")
+_PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
+    "stale": {"conv": _between("conv=", ": stale cache entry (age="),
+              "age": _between(": stale cache entry (age=", "s"), "ttl": _between(" > ttl=", "s")},
+    "hit": {"conv": _between("conv=", ": cache HIT (age="), "age": _between(": cache HIT (age=", "s")},
+    "cached": {"conv": _between("conv=", ": cached D blocks (remote_request_id="),
+               "remote": _between("(remote_request_id=", ","), "blocks": _between(", blocks=", ")")},
+    "no_conversation_id": {"rid": _RID},
+    "sending": {"rid": _RID, "conv": _between("] conv=", ": sending D's cached blocks to P ("),
+                "remote": _between("(remote_request_id=", ")")},
+    "no_handle": {"rid": _RID, "conv": _between("] conv=", ": no D-to-P handle offered")},
+    "prefill_done": {"rid": _RID, "ms": _between("] Prefill done in ", "m")},
+    "prefill_failed": {"rid": _RID, "detail": _between("] Prefill request failed: ", None)},
+    "decode_failed": {"rid": _RID, "detail": _between("] Decode request failed: ", None)},
+}
+_MISS_WHY: Final = re.compile(r"^\[[^\]]+\] conv=\S+?: cache MISS \((?P<why>[^)]*)\)")
+
+
 def parse_proxy_sql() -> list[str]:
     """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives."""
-    kinds = [f"WHEN regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}"
+    kinds = [f"WHEN lead = {sql_str(proxy_log._lead(regex))} AND regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}"
              for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS)]
     fields = []
     for name in _PROXY_NAMES:
         whens = []
-        for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS):
-            if name in regex.groupindex:
+        for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS):
+            if name not in regex.groupindex:
+                continue
+            if name in _PROXY_CUTS.get(kind, {}):
+                value = _PROXY_CUTS[kind][name]
+            elif kind == "miss" and name == "why":
+                value = f"nullif(regexp_extract(msg, {sql_str(_re2(_MISS_WHY))}, 1), '')"
+            else:
                 # regexp_extract gives '' for a group that took no part: an optional group's '' is no value
-                value = f"nullif(x{i}.{name}, '')" if name in _optional_groups(regex) else f"x{i}.{name}"
-                whens.append(f"WHEN {i} THEN {value}")
+                value = f"regexp_extract(msg, {sql_str(_re2(regex))}, {regex.groupindex[name]})"
+                value = f"nullif({value}, '')" if name in _optional_groups(regex) else value
+            whens.append(f"WHEN {i} THEN {value}")
         fields.append(f"CASE k {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
-    structs = ", ".join(f"CASE WHEN k = {i} THEN regexp_extract(msg, {sql_str(_re2(regex))}, "
-                        f"[{_in_ordered(list(regex.groupindex))}]) END AS x{i}"
-                        for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS) if regex.groupindex)
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
     head = sql_str(_re2(PROXY_RE))
+    # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message
+    rest = "substr(t, strpos(t, '] ') + 2)"
     return [
-        f"""CREATE TEMP TABLE pl_msg AS SELECT f, n, left(t, 500) AS text, h.ts AS ts, h.lvl AS level, h.msg AS msg
-            FROM (SELECT f, n, t, regexp_extract(t, {head}, ['ts', 'lvl', 'name', 'msg']) AS h
-                  FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t FROM lines_proxy
-                        WHERE line IS NOT NULL) WHERE regexp_matches(t, {head}))""",
-        f"""CREATE TEMP TABLE pl AS SELECT *, conv AS cconv, row_number() OVER (ORDER BY f, n) AS seq FROM (
-              SELECT f, n, text, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
-              FROM (SELECT *, {structs} FROM (SELECT *, CASE {' '.join(kinds)} END AS k FROM pl_msg))
+        # seq orders the lines: files in reading order, then lines
+        f"""CREATE TEMP TABLE pl AS SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
+              SELECT f, n, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
+              FROM (SELECT *, CASE {' '.join(kinds)} END AS k FROM (
+                SELECT f, n, left(t, 19) AS ts,
+                  substr(t, strpos(t, ' [') + 2, strpos(t, '] ') - strpos(t, ' [') - 2) AS level,
+                  substr({rest}, strpos({rest}, ': ') + 2) AS msg, left(substr({rest}, strpos({rest}, ': ') + 2), 1)
+                    AS lead
+                FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
+                WHERE regexp_matches(t, {head})))
               WHERE k IS NOT NULL)""",
     ]
 
@@ -397,7 +438,7 @@ def parse_vllm_sql() -> list[str]:
     whens = []
     for i, _kind, regex, first in classes:
         cond = f"regexp_matches(msg, {sql_str(_re2(regex))})"
-        whens.append(f"WHEN {word} = {sql_str(first)} AND {cond} THEN {i}" if first is not None
+        whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
                      else f"WHEN {cond} THEN {i}")
     fields = []
     for col, ctype in _VLLM_COLUMNS.items():
@@ -418,7 +459,8 @@ def parse_vllm_sql() -> list[str]:
         f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, regexp_matches(t, {_STD_HEADER}) AS std
             FROM (SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
                   FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t0 FROM lines_vllm WHERE line IS NOT NULL))
-            WHERE length(t) < {MAX_LINE_CHARS} AND regexp_matches(t, {header})""",
+            WHERE length(t) < {MAX_LINE_CHARS}
+              AND CASE WHEN regexp_matches(t, {_STD_HEADER}) THEN true ELSE regexp_matches(t, {header}) END""",
         # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position; any other
         # prefix (VLLM_LOGGING_PREFIX) through the full pattern
         f"""CREATE TEMP TABLE vl_head AS
@@ -440,5 +482,6 @@ def parse_vllm_sql() -> list[str]:
               left(CASE WHEN proc <> '' THEN '(' || proc || ' pid=' || pid || ') ' ELSE '' END || level || ' ' || ts
                    || ' [' || fileinfo || '] ' || msg, 500) AS text,
               level, ts, CASE k {kind_names} END AS kind, {', '.join(fields)}
-            FROM (SELECT *, {structs} FROM (SELECT *, {'CASE ' + ' '.join(whens) + ' END'} AS k FROM vl_head))""",
+            FROM (SELECT *, {structs} FROM (SELECT *, {'CASE ' + ' '.join(whens) + ' END'} AS k
+                                            FROM (SELECT *, {word} AS w FROM vl_head)))""",
     ]
