@@ -1,0 +1,105 @@
+"""P's stats windows for the turns only they can decide: the engine's one step in Python (windows.py's ledger).
+
+The rules mark such turns (``wants_windows``); this step reads the lines the ledger needs (P's stat lines,
+the proxy's offers, P's per-request lines), asks the ledger about each of those reads, and hands back its
+findings as rows the rules read (``wfind``) and the text of the lines they cite (``wtext``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from kvdiag.diagnostics.detect import LogFile, LogReadError
+from kvdiag.diagnostics.engine import Run, apply_windows
+from kvdiag.diagnostics.json_logs import EventRecord
+from kvdiag.diagnostics.proxy_log import ProxyRecord, parse_proxy_numbered, wall_clock
+from kvdiag.diagnostics.vllm_log import VllmRecord, parse_vllm_numbered
+from kvdiag.diagnostics.window_load import _periodic, _probe, ledger_for_conversation, ledger_for_index
+from kvdiag.diagnostics.windows import Ledger, LogIndex
+from kvdiag.schema.events import TurnEvent
+
+
+def _lines(run: Run, table: str, files: set[int]) -> dict[int, list[tuple[int, str]]]:
+    out: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    if not files:
+        return out
+    rows = run.con.execute(f"SELECT f, n, line FROM {table} WHERE f IN ({', '.join(map(str, sorted(files)))}) "
+                           "AND line IS NOT NULL ORDER BY f, n").fetchall()
+    for f, n, line in rows:
+        out[f].append((n, line))
+    return out
+
+
+def window_index(run: Run) -> LogIndex:
+    """The run's records as the ledger reads them (the proxy's lines and the engines' kept lines, parsed by the
+    Python parsers; P's prefill events' outcomes)."""
+    roles = dict(run.con.execute("SELECT f, role FROM froles").fetchall())
+    index = LogIndex(file_roles={lf.path: roles.get(f) for f, lf in enumerate(run.files)},
+                     formats={lf.path: lf.fmt for lf in run.files})
+    proxy_files = {f for f, lf in enumerate(run.files) if lf.fmt == "proxy"}
+    vllm_files = {f for f, lf in enumerate(run.files) if lf.fmt == "vllm"}
+    for f, numbered in sorted(_lines(run, "lines_proxy", proxy_files).items()):
+        index.proxy.extend(parse_proxy_numbered(numbered, run.files[f].path))
+    for f, numbered in sorted(_lines(run, "lines_vllm", vllm_files).items()):
+        index.vllm.extend(parse_vllm_numbered(numbered, run.files[f].path))
+    for f, n, ts, rid, outcome in run.con.execute(
+            "SELECT f, n, ts, request_id, outcome FROM ev WHERE source = 'prefill' AND event = 'prefill_request' "
+            "AND request_id IS NOT NULL ORDER BY f, n").fetchall():
+        index.events.append(EventRecord(path=run.files[f].path, lineno=n, text="", event=TurnEvent(
+            ts=ts, source="prefill", event="prefill_request", request_id=rid, outcome=outcome)))
+    return index
+
+
+def decide_windows(run: Run, wanted: Sequence[str], *, one: bool) -> None:
+    """Read P's stats windows for the ``wanted`` requests' reads and decide those turns again."""
+    if not one and not _periodic_stats(run):
+        return  # stat lines several a second mark no windows (docs/verdicts.md)
+    index = window_index(run)
+    try:
+        ledger = (ledger_for_conversation(run.files, index, set(wanted)) if one else ledger_for_index(index))
+    except (LogReadError, OSError, EOFError) as exc:
+        raise LogReadError(str(exc)) from None
+    if ledger is None:
+        return
+    rows, texts = findings(ledger, wanted, run.files)
+    if texts:
+        run.con.executemany("INSERT INTO wtext VALUES (?, ?, ?)", texts)
+    apply_windows(run, rows)
+
+
+def _periodic_stats(run: Run) -> bool:
+    """P's stat lines around the middle offer are periodic (a bisected look at each P log, before any parsing)."""
+    sent = sorted(t for (ts,) in run.con.execute("SELECT ts FROM pl WHERE kind = 'sending'").fetchall()
+                  if (t := wall_clock(ts)) is not None)
+    if not sent:
+        return False
+    p_files = [lf.path for lf, (role,) in zip(run.files, run.con.execute(
+        "SELECT role FROM froles ORDER BY f").fetchall(), strict=True) if lf.fmt == "vllm" and role == "prefill"]
+    return all(_periodic(_probe(path, sent[len(sent) // 2])) for path in p_files)
+
+
+def findings(ledger: Ledger, wanted: Sequence[str], files: list[LogFile]
+             ) -> tuple[list[tuple[object, ...]], list[tuple[int, str, str]]]:
+    """The ledger's word on each wanted read, as ``wfind`` rows, and the cited lines' (ref, source, text)."""
+    f_of = {lf.path: f for f, lf in enumerate(files)}
+    texts: dict[int, tuple[int, str, str]] = {}
+
+    def ref(rec: VllmRecord | ProxyRecord | None) -> int | None:
+        if rec is None or rec.path not in f_of:
+            return None
+        key = (f_of[rec.path] << 40) + rec.lineno
+        texts[key] = (key, rec.source, rec.text[:300])
+        return key
+
+    rows: list[tuple[object, ...]] = []
+    caching = ref(ledger.caching_line)
+    for rid in wanted:
+        found = ledger.finding(rid)
+        if found is None:
+            rows.append((rid, False, None, None, [], None, None, ledger.recovered_near(rid) is not None, caching))
+            continue
+        refs = [r for r in (ref(w.evidence) for w in found.windows) if r is not None]
+        rows.append((rid, True, found.read, found.why, refs, ref(found.rejected), found.prefix_caching,
+                     ledger.recovered_near(rid) is not None, caching))
+    return rows, list(texts.values())
