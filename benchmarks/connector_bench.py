@@ -31,7 +31,7 @@ from typing import Any
 _AFFINITY = os.sched_getaffinity(0)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from vllm_harness.engine import BLOCK_SIZE, CONNECTOR, PLAIN_CONNECTOR, Engine, write_model_dir  # noqa: E402
+from vllm_harness.engine import BLOCK_SIZE, CONNECTOR, PLAIN_CONNECTOR, CpuEngine, write_model_dir  # noqa: E402
 
 PROMPT = 256
 DECODE = 16
@@ -43,7 +43,7 @@ def _fake_handle(i: int, tokens: int) -> dict[str, Any]:
             "remote_num_tokens": tokens}
 
 
-def _digest(eng: Engine, prompt: list[int], tokens: int, diverge: bool) -> dict[str, Any]:
+def _digest(eng: CpuEngine, prompt: list[int], tokens: int, diverge: bool) -> dict[str, Any]:
     """The kvdiag_digest a D holding ``tokens`` tokens of this sequence returns (``diverge``: block 3 edited)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -72,7 +72,7 @@ class Driver:
             extra.update(kvdiag_extra or {})
             if events:
                 extra["kvdiag_events_file"] = str(work / "events.jsonl")
-        self.eng = Engine("B", write_model_dir(work / "opt"), work, writer_tag=1, num_blocks=4096, extra=extra,
+        self.eng = CpuEngine("B", write_model_dir(work / "opt"), work, writer_tag=1, num_blocks=4096, extra=extra,
                           prefix_caching=True, connector=connector, with_worker=False)
         os.sched_setaffinity(0, _AFFINITY)
         self.requests = requests

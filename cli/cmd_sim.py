@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Final
@@ -165,15 +166,17 @@ def _run(role: str, opts: dict[str, Any]) -> None:
 
 
 def _run_vllm(role: str, opts: dict[str, Any], ready_file: str | None) -> None:
-    try:
-        from kvdiag.instrumentation import engine_vllm  # noqa: PLC0415 - imports vLLM, only on request
-    except ImportError as exc:
+    missing = [name for name in ("vllm", "nixl") if importlib.util.find_spec(name) is None]
+    if missing:
         raise click.ClickException(
-            f"--engine vllm needs vLLM + NIXL ({exc}); install them with `make vllm-env` "
-            "(or pip install 'kvdiag[vllm]')") from None
-    options = engine_vllm.options_from_sim(role, opts)
+            f"--engine vllm needs vLLM + NIXL ({' and '.join(missing)} not installed); install them with "
+            "`make vllm-env` (or pip install 'kvdiag[vllm]')")
+    from kvdiag.sim.vllm_backend import api_server  # noqa: PLC0415 - the vLLM backend, only on request
+    from kvdiag.sim.vllm_backend.options import options_from_sim  # noqa: PLC0415
+
+    options = options_from_sim(role, opts)
     options.ready_file = ready_file
-    engine_vllm.run(options)
+    api_server.run(options)
 
 
 @sim.command("prefill")

@@ -17,14 +17,11 @@ from typing import Any, Final
 from kvdiag.sim.chat_template import TemplateError, render_text
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.model_output import HINT_KEY, HintError, OutputPlan, SimHint, ToolRequest, make_plan
+from kvdiag.sim.openai_api import BadRequest
 from kvdiag.sim.output_parser import ParserSetup
 from kvdiag.sim.tokenizer import tokenize
 
 MAX_PROMPT_TOKENS: Final = 1_000_000
-
-
-class BadRequest(ValueError):
-    """A request body vLLM would reject (HTTP 400)."""
 
 
 @dataclass

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 
 from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
-from kvdiag.sim import openai_shapes as shapes
+from kvdiag.sim import openai_api as api
 from kvdiag.sim import vllm_log as vl
-from kvdiag.sim.chat_request import BadRequest, ParsedRequest, parse_request
+from kvdiag.sim.chat_request import ParsedRequest, parse_request
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.engine import Engine, KVLoadFailed, RequestFailed, RequestState
 from kvdiag.sim.nixl import side_channel_app
@@ -36,16 +35,11 @@ from kvdiag.sim.tokenizer import IM_END, detokenize, token_text
 _ENGINE_KEY = web.AppKey("engine", Engine)
 
 
-def _error(message: str, status: int, kind: str = "BadRequestError") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                             status=status)
-
-
 def _usage(engine: Engine, state: RequestState, req: ParsedRequest, full: bool) -> dict[str, Any]:
     reasoning = count_reasoning_tokens(state.output) if req.setup.reasoning else None
     if reasoning is not None and not req.setup.thinking:
         reasoning = 0
-    return shapes.usage(len(state.prompt), len(state.output), state.cached_tokens, reasoning, full)
+    return api.usage(len(state.prompt), len(state.output), state.cached_tokens, reasoning, full)
 
 
 def _finish(state: RequestState, req: ParsedRequest, tool_calls_made: bool) -> str | None:
@@ -65,7 +59,7 @@ def _body(engine: Engine, state: RequestState, req: ParsedRequest, params: dict[
     out_ids = list(state.output) if ids else None
     prompt_ids = list(state.prompt) if req.return_token_ids else None
     if req.kind != "chat":
-        return shapes.completion_body(request_id=state.external_id, model=engine.config.model,
+        return api.completion_body(request_id=state.external_id, model=engine.config.model,
                                       text=detokenize(t for t in state.output if t != IM_END),
                                       finish_reason=state.finish_reason, token_ids=out_ids,
                                       prompt_token_ids=prompt_ids, usage_obj=_usage(engine, state, req, True),
@@ -73,8 +67,8 @@ def _body(engine: Engine, state: RequestState, req: ParsedRequest, params: dict[
     parsed = parse_full(req.setup, state.output)
     if req.forced_tools and parsed.content is None:
         parsed = replace(parsed, content="")
-    return shapes.chat_body(request_id=state.external_id, model=engine.config.model,
-                            message=shapes.chat_message(parsed, engine.config.reasoning_field),
+    return api.chat_body(request_id=state.external_id, model=engine.config.model,
+                            message=api.chat_message(parsed, engine.config.reasoning_field),
                             finish_reason=_finish(state, req, bool(parsed.tool_calls)), token_ids=out_ids,
                             prompt_token_ids=prompt_ids, usage_obj=_usage(engine, state, req, True), params=params)
 
@@ -82,17 +76,9 @@ def _body(engine: Engine, state: RequestState, req: ParsedRequest, params: dict[
 async def _handle_completion(request: web.Request, kind: str) -> web.StreamResponse:
     engine = request.app[_ENGINE_KEY]
     arrival = time.perf_counter()
-    try:
-        body = await request.json()
-    except ValueError:
-        return _error("request body is not valid JSON", 400)
-    try:
-        req = parse_request(engine.config, body, kind)
-    except BadRequest as exc:
-        return _error(str(exc), 400)
-    model = body.get("model")
-    if model is not None and model != engine.config.model:
-        return _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
+    body = await api.json_body(request)
+    req = parse_request(engine.config, body, kind)
+    api.check_model(body, engine.config.model)
     state = engine.new_request(request.headers.get("X-Request-Id"), kind, req.prompt, req.max_tokens, req.params,
                                req.seed, arrival=arrival, plan=req.plan)
     state.disconnected = lambda: request.transport is None or request.transport.is_closing()
@@ -103,7 +89,7 @@ async def _handle_completion(request: web.Request, kind: str) -> web.StreamRespo
         engine.finish(state)
         if engine.config.enable_log_requests:
             engine.log.log("INFO", "request_failed", vl.MSG_REQUEST_FAILED, state.external_id, process=vl.API)
-        return _error(f"Internal server error: {exc}", 500, "InternalServerError")
+        return api.error_response(f"Internal server error: {exc}", 500, "InternalServerError")
     except KVLoadFailed:
         state.finish_reason = "error"
         engine.finish(state)
@@ -128,26 +114,24 @@ async def _generation_error(request: web.Request, engine: Engine, state: Request
     request on the status or the error chunk alike).
     """
     engine.log.log("ERROR", "generation_error", vl.MSG_GENERATION_ERROR, state.external_id, process=vl.API)
-    error: dict[str, Any] = {"message": "Internal server error", "type": "InternalServerError", "param": None,
-                             "code": 500}
+    error = api.error_object("Internal server error", 500, "InternalServerError")
     if state.role == "P" and engine.config.instrumented:
         error["kvdiag"] = engine.report(state).to_dict()
     if not req.stream:
         return web.json_response({"error": error}, status=500)
-    resp = await _start_sse(request)
+    resp = await api.start_sse(request)
     with contextlib.suppress(ConnectionError):
         if req.kind == "chat":
             prompt_ids = list(state.prompt) if req.return_token_ids else None
-            await _send(resp, shapes.chat_role_chunk(state.external_id, engine.config.model, int(time.time()),
-                                                     prompt_ids))
-        await _send(resp, {"error": error})
-        await resp.write(b"data: [DONE]\n\n")
+            await api.send_sse(resp, api.chat_role_chunk(state.external_id, engine.config.model, int(time.time()),
+                                                         prompt_ids))
+        await api.send_error_chunk(resp, {"error": error})
     return resp
 
 
 async def _stream(request: web.Request, engine: Engine, state: RequestState, req: ParsedRequest) -> web.StreamResponse:
     """Stream one token per chunk; the last token's chunk carries the finish reason and D's params."""
-    resp = await _start_sse(request)
+    resp = await api.start_sse(request)
     created, model, rid = int(time.time()), engine.config.model, state.external_id
     with_params = engine.faults.stream_kv_params
     ids = req.return_token_ids and not _hide_ids(req)
@@ -158,13 +142,13 @@ async def _stream(request: web.Request, engine: Engine, state: RequestState, req
         async for tok in engine.generate(state):
             last = len(state.output) == len(state.planned)
             if req.kind == "chat" and len(state.output) == 1:  # vLLM sends the role with the first output
-                await _send(resp, shapes.chat_role_chunk(rid, model, created, prompt_ids))
+                await api.send_sse(resp, api.chat_role_chunk(rid, model, created, prompt_ids))
             out_params = None
             if last:  # the engine finishes the request before the final chunk goes out, as vLLM does
                 out_params, finished = engine.finish(state), True
             if parser is None:
                 text = "" if tok == IM_END else token_text(tok)
-                await _send(resp, shapes.completion_chunk(
+                await api.send_sse(resp, api.completion_chunk(
                     rid, model, created, text, [tok] if ids else None, prompt_ids if len(state.output) == 1 else None,
                     state.finish_reason if last else None, out_params, with_params))
                 continue
@@ -174,7 +158,7 @@ async def _stream(request: web.Request, engine: Engine, state: RequestState, req
                     continue
                 delta = {} if req.setup.active else {"content": ""}
             finish = _finish(state, req, parser.tools_streamed) if last else None
-            await _send(resp, shapes.chat_chunk(rid, model, created, delta, [tok] if ids else None, finish,
+            await api.send_sse(resp, api.chat_chunk(rid, model, created, delta, [tok] if ids else None, finish,
                                                 out_params, with_params))
     except asyncio.CancelledError:
         if not finished:
@@ -186,21 +170,10 @@ async def _stream(request: web.Request, engine: Engine, state: RequestState, req
         return resp
     with contextlib.suppress(ConnectionError):
         if req.include_usage:
-            await _send(resp, shapes.usage_chunk(rid, model, created, req.kind, _usage(engine, state, req, False)))
-        await resp.write(b"data: [DONE]\n\n")
+            await api.send_sse(resp, api.usage_chunk(rid, model, created, req.kind, _usage(engine, state, req, False)))
+        await resp.write(api.DONE)
     _log_generated(engine, state, " (streaming complete)")
     return resp
-
-
-async def _start_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    return resp
-
-
-async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
-    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
 
 def _log_received(engine: Engine, state: RequestState, body: dict[str, Any]) -> None:
@@ -225,55 +198,29 @@ def _log_generated(engine: Engine, state: RequestState, suffix: str) -> None:
                        process=vl.API)
 
 
-async def _chat(request: web.Request) -> web.StreamResponse:
-    return await _handle_completion(request, "chat")
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _handle_completion(request, "completion")
-
-
 async def _tokenize(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE_KEY]
     try:
-        body = await request.json()
-    except ValueError:
-        return _error("request body is not valid JSON", 400)
-    model = body.get("model") if isinstance(body, dict) else None
-    if model is not None and model != engine.config.model:
-        return _error(f"The model `{model}` does not exist.", 404, "NotFoundError")
-    try:
+        body = await api.json_body(request)
+        api.check_model(body, engine.config.model)
         return web.json_response(tokenize_response(engine.config, body))
-    except BadRequest as exc:
-        return _error(str(exc), 400)
+    except api.ApiError as exc:
+        return api.error_response(str(exc), exc.status, exc.kind)
 
 
 async def _detokenize(request: web.Request) -> web.Response:
     try:
-        return web.json_response(detokenize_response(await request.json()))
-    except BadRequest as exc:
-        return _error(str(exc), 400)
-    except ValueError:
-        return _error("request body is not valid JSON", 400)
+        return web.json_response(detokenize_response(await api.json_body(request)))
+    except api.ApiError as exc:
+        return api.error_response(str(exc), exc.status, exc.kind)
 
 
-async def _health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
-
-
-async def _models(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE_KEY]
-    return web.json_response({"object": "list", "data": [{"id": engine.config.model, "object": "model",
-                                                          "owned_by": "vllm", "root": engine.config.model}]})
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE_KEY]
+def _exposition(engine: Engine) -> bytes:
     m = engine.metrics
     m.kv_cache_usage_perc.set(engine.pool.usage)
     m.num_requests_running.set(engine.running)
     m.num_requests_waiting.set(engine.waiting)
-    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return bytes(generate_latest(m.registry))
 
 
 async def _admin_faults(request: web.Request) -> web.Response:
@@ -284,7 +231,7 @@ async def _admin_faults(request: web.Request) -> web.Response:
         changes = await request.json()
         return web.json_response(engine.faults.update(changes))
     except ValueError as exc:
-        return _error(str(exc), 400)
+        return api.error_response(str(exc), 400)
 
 
 async def _admin_restart(request: web.Request) -> web.Response:
@@ -305,15 +252,11 @@ async def _admin_evict(request: web.Request) -> web.Response:
 
 def api_app(engine: Engine) -> web.Application:
     """The OpenAI-compatible app of ``engine``."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = api.openai_app(model=engine.config.model, completion=_handle_completion,
+                         metrics=lambda: _exposition(engine), max_body_bytes=64 * 1024 * 1024)
     app[_ENGINE_KEY] = engine
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/metrics", _metrics)
     app.router.add_route("*", "/kvdiag/admin/faults", _admin_faults)
     app.router.add_post("/kvdiag/admin/restart", _admin_restart)
     app.router.add_post("/kvdiag/admin/evict", _admin_evict)
@@ -350,22 +293,12 @@ class EngineHandle:
             await runner.cleanup()
 
 
-async def _listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    return runner, int(sockets[0].getsockname()[1]) if sockets else port
-
-
 async def start_engine(config: EngineConfig) -> EngineHandle:
     """Start an engine's API and side channel on ``config.host``; ports 0 pick free ones."""
     engine = Engine(config)
-    side_runner, side_port = await _listen(side_channel_app(engine), config.host, config.side_channel_port)
+    side_runner, side_port = await api.listen(side_channel_app(engine), config.host, config.side_channel_port)
     try:
-        api_runner, port = await _listen(api_app(engine), config.host, config.port)
+        api_runner, port = await api.listen(api_app(engine), config.host, config.port)
     except OSError:
         await side_runner.cleanup()
         raise

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdiag.sim.chat_request import BadRequest, parse_tools
+from kvdiag.sim.chat_request import parse_tools
 from kvdiag.sim.chat_template import TemplateError, render_text
 from kvdiag.sim.config import EngineConfig
+from kvdiag.sim.openai_api import BadRequest
 from kvdiag.sim.tokenizer import TokenizerError, detokenize, token_text, tokenize
 
 

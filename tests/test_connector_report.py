@@ -235,7 +235,7 @@ def test_instrumentation_package_and_the_outcome_rule_do_not_import_vllm() -> No
 
 
 def test_sim_options_map_onto_the_real_engine_backend() -> None:
-    from kvdiag.instrumentation.engine_vllm import CPU_MAX_BLOCKS, options_from_sim, parse_args
+    from kvdiag.sim.vllm_backend.options import CPU_MAX_BLOCKS, options_from_sim, parse_args
 
     opts = options_from_sim("decode", {"port": 0, "no_bidirectional": True, "no_prefix_caching": True,
                                        "num_blocks": 16384, "decoder_kv_blocks_ttl": 30.0, "log_level": "debug",

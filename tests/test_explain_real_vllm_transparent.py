@@ -34,7 +34,7 @@ STOCK_ERROR = {"message": "Internal server error", "type": "InternalServerError"
 
 def _engine(out: Path, role: str, connector: str, extra: list[str]) -> Component:
     ready = out / f".{role}.ready"
-    argv = [sys.executable, "-m", "kvdiag.instrumentation.engine_vllm", role, "--port", "0", "--model", MODEL,
+    argv = [sys.executable, "-m", "kvdiag.sim.vllm_backend", role, "--port", "0", "--model", MODEL,
             "--connector", connector, "--no-prefix-caching", "--log-file", str(out / f"{role}.log"),
             "--ready-file", str(ready), *extra]
     console = out / f"{role}.console.txt"

@@ -39,7 +39,7 @@ from typing import Any
 _AFFINITY = os.sched_getaffinity(0)
 
 from kvdiag.router.reuse_rule import DEFAULT_MARGIN, trim_handle  # noqa: E402
-from vllm_harness.engine import BLOCK_SIZE, PAGE_BYTES, PLAIN_CONNECTOR, Engine, write_model_dir  # noqa: E402
+from vllm_harness.engine import BLOCK_SIZE, PAGE_BYTES, PLAIN_CONNECTOR, CpuEngine, write_model_dir  # noqa: E402
 
 LAYERS = 2
 BLOCK_BYTES = LAYERS * PAGE_BYTES
@@ -215,16 +215,16 @@ class Bed:
         model = write_model_dir(work / "opt")
         bidir = {"bidirectional_kv_xfer": True}
 
-        def d(name: str, pc: bool) -> Engine:
-            return Engine(name, model, work, writer_tag=0, num_blocks=1024, prefix_caching=pc,
+        def d(name: str, pc: bool) -> CpuEngine:
+            return CpuEngine(name, model, work, writer_tag=0, num_blocks=1024, prefix_caching=pc,
                           extra={**bidir, "kvdiag_role": "decode",
                                  "kvdiag_events_file": str(work / f"{name.lower()}-events.jsonl")})
 
-        def p(name: str, pc: bool, kvdiag: dict[str, Any] | None = None) -> Engine:
+        def p(name: str, pc: bool, kvdiag: dict[str, Any] | None = None) -> CpuEngine:
             if kvdiag is None:
-                return Engine(name, model, work, writer_tag=0, num_blocks=512 if pc else 1024, prefix_caching=pc,
+                return CpuEngine(name, model, work, writer_tag=0, num_blocks=512 if pc else 1024, prefix_caching=pc,
                               connector=PLAIN_CONNECTOR, extra=bidir)
-            return Engine(name, model, work, writer_tag=0, num_blocks=512 if pc else 1024, prefix_caching=pc,
+            return CpuEngine(name, model, work, writer_tag=0, num_blocks=512 if pc else 1024, prefix_caching=pc,
                           extra={**bidir, **kvdiag, "kvdiag_role": "prefill",
                                  "kvdiag_events_file": str(work / f"{name.lower()}-events.jsonl")})
 
@@ -241,10 +241,10 @@ class Bed:
             eng.record_reads = True
         self.engines = [self.d, self.d_pc, *self.p.values()]
 
-    def d_for(self, v: Variant) -> Engine:
+    def d_for(self, v: Variant) -> CpuEngine:
         return self.d_pc if v.prefix_caching else self.d
 
-    def until(self, done: Callable[[], bool], engines: list[Engine] | None = None, timeout_s: float = 120.0) -> None:
+    def until(self, done: Callable[[], bool], engines: list[CpuEngine] | None = None, timeout_s: float = 120.0) -> None:
         """Step ``engines`` (default: all) until ``done()``. A NIXL READ needs only the reader stepping."""
         deadline = time.monotonic() + timeout_s
         while not done():
@@ -254,7 +254,7 @@ class Bed:
                 eng.step()
             time.sleep(0.0005)   # yield the core to NIXL's progress thread and the other engines' work
 
-    def pump(self, steps: int, engines: list[Engine] | None = None) -> None:
+    def pump(self, steps: int, engines: list[CpuEngine] | None = None) -> None:
         for _ in range(steps):
             for eng in engines or self.engines:
                 eng.step()
@@ -266,7 +266,7 @@ class Bed:
             eng.shutdown()
 
 
-def _prefill_positions(p: Engine, rid: str, n: int) -> tuple[Any, list[bytes]]:
+def _prefill_positions(p: CpuEngine, rid: str, n: int) -> tuple[Any, list[bytes]]:
     out = p.finished[rid]
     blocks = list(out.kv_transfer_params["remote_block_ids"][0])   # P's own blocks, held for a D
     return out, p.position_bytes(blocks, n)
@@ -364,7 +364,7 @@ def _inject(bed: Bed, s: Scenario, v: Variant, d_rid: str, d_seq: list[int], ref
         "seconds": round(time.monotonic() - started, 2)}
 
 
-def _finish_turn(bed: Bed, s: Scenario, v: Variant, p: Engine, out: Any) -> dict[str, Any]:
+def _finish_turn(bed: Bed, s: Scenario, v: Variant, p: CpuEngine, out: Any) -> dict[str, Any]:
     """Turn k+1's decode leg on D (P->D read of P's blocks, a few tokens): the turn completes."""
     rid = f"cmpl-{s.name}-{v.name}-tk1-d-0"
     p_sha = _sha(p.block_bytes(list(out.kv_transfer_params["remote_block_ids"][0])))  # before D frees them

@@ -24,7 +24,7 @@ from typing import Any
 
 _AFFINITY = os.sched_getaffinity(0)
 
-from vllm_harness.engine import BLOCK_SIZE, Engine, write_model_dir  # noqa: E402
+from vllm_harness.engine import BLOCK_SIZE, CpuEngine, write_model_dir  # noqa: E402
 
 TURN1 = list(range(1, 101))           # 100 prompt tokens
 DECODE_TOKENS = 40
@@ -49,11 +49,11 @@ class Pair:
         self.dir = work / name
         self.dir.mkdir(parents=True, exist_ok=True)
         model = write_model_dir(work / "opt")
-        self.p = Engine("P", model, work, writer_tag=1, prefix_caching=p_prefix_caching,
+        self.p = CpuEngine("P", model, work, writer_tag=1, prefix_caching=p_prefix_caching,
                         kv_load_failure_policy=p_policy,
                         extra={**p_extra, "kvdiag_role": "prefill",
                                "kvdiag_events_file": str(self.dir / "prefill-events.jsonl")})
-        self.d = Engine("D", model, work, writer_tag=2,
+        self.d = CpuEngine("D", model, work, writer_tag=2,
                         extra={**d_extra, "kvdiag_role": "decode",
                                "kvdiag_events_file": str(self.dir / "decode-events.jsonl")})
         os.sched_setaffinity(0, _AFFINITY)
@@ -114,7 +114,7 @@ class Pair:
         return self.record
 
 
-def _exposition(eng: Engine) -> dict[str, Any]:
+def _exposition(eng: CpuEngine) -> dict[str, Any]:
     """Feed the engine's SchedulerStats payloads to vLLM's own KVConnectorProm and KVConnectorLogging,
     as the API server does, and return the /metrics text and the stat-log lines they produce."""
     from prometheus_client import CollectorRegistry, generate_latest

@@ -1,4 +1,8 @@
-"""vLLM 0.33's response bodies and stream chunks, field for field, as its pydantic models serialize them.
+"""vLLM 0.33's OpenAI API as both testbed servers speak it: the emulated engines and the real-vLLM backend.
+
+The HTTP plumbing (errors, the JSON body, the model check, server-sent events, the routes every
+engine serves) and the response bodies and stream chunks, field for field, as vLLM's pydantic
+models serialize them.
 
 Full responses are ``model_dump()`` (every field, nulls included; ``tool_calls`` dropped from a
 message when empty). Chat stream chunks are ``model_dump_json(exclude_unset=True)``: a field the
@@ -9,14 +13,134 @@ With ``return_token_ids`` the prompt ids come at the top of the chat body (in th
 completions), the output ids in the choice; streamed, the prompt ids ride on the first chunk and
 each chunk carries its own output ids. ``include_reasoning: false`` on a server with a parser
 (reasoning or tool) also hides the output ids.
+
+Usage::
+
+    app = openai_app(model="Qwen/Qwen3-32B", completion=handler, metrics=lambda: generate_latest(registry))
+    # handler(request, "chat" | "completion") raises ApiError (or BadRequest) for a 4xx/5xx answer
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.sim.output_parser import ParsedMessage
+
+DONE: Final = b"data: [DONE]\n\n"
+Handler = Callable[[web.Request, str], Awaitable[web.StreamResponse]]
+
+
+class ApiError(KVDiagError):
+    """A request the server answers with an OpenAI error object (``status``, ``kind``) instead of a completion."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class BadRequest(ApiError, ValueError):
+    """A request body vLLM would reject (HTTP 400)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 400, "BadRequestError")
+
+
+def error_object(message: str, status: int, kind: str) -> dict[str, Any]:
+    """vLLM's ``ErrorResponse.error``."""
+    return {"message": message, "type": kind, "param": None, "code": status}
+
+
+def error_response(message: str, status: int, kind: str = "BadRequestError") -> web.Response:
+    """An OpenAI error body with its HTTP status."""
+    return web.json_response({"error": error_object(message, status, kind)}, status=status)
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's JSON body; BadRequest when it is not JSON."""
+    try:
+        return await request.json()
+    except ValueError:
+        raise BadRequest("request body is not valid JSON") from None
+
+
+def check_model(body: Any, served: str) -> None:
+    """vLLM answers 404 for a ``model`` it does not serve (no ``model`` means the served one)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is not None and model != served:
+        raise ApiError(f"The model `{model}` does not exist.", 404, "NotFoundError")
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    """Open a server-sent events response (HTTP 200, headers sent)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def send_sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    """One ``data: {...}`` event, compact JSON as vLLM writes it."""
+    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def send_error_chunk(resp: web.StreamResponse, error: dict[str, Any]) -> None:
+    """vLLM's answer to an error inside a stream that already sent 200: the error object as a chunk, then [DONE]."""
+    await send_sse(resp, error)
+    await resp.write(DONE)
+
+
+def openai_app(*, model: str, completion: Handler, metrics: Callable[[], bytes], max_body_bytes: int
+               ) -> web.Application:
+    """The routes every testbed engine serves: chat and completions, /health, /v1/models, /metrics.
+
+    ``completion`` may raise ApiError; it becomes the OpenAI error response.
+    """
+    def endpoint(kind: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                return await completion(request, kind)
+            except ApiError as exc:
+                return error_response(str(exc), exc.status, exc.kind)
+        return handle
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(_request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model, "object": "model", "owned_by": "vllm",
+                                                              "root": model}]})
+
+    async def exposition(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=max_body_bytes)
+    app.router.add_post("/v1/chat/completions", endpoint("chat"))
+    app.router.add_post("/v1/completions", endpoint("completion"))
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", exposition)
+    return app
+
+
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` (0: a free port); return the runner and the port bound."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sockets = getattr(site._server, "sockets", None) or []
+    return runner, int(sockets[0].getsockname()[1]) if sockets else port
+
+
+# --- bodies and chunks --------------------------------------------------------------------------
 
 CHAT_CHUNK = "chat.completion.chunk"
 COMPLETION = "text_completion"
@@ -36,6 +160,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reason
     elif full:
         out["completion_tokens_details"] = None
     return out
+
+
+def text_message(text: str) -> ParsedMessage:
+    """A reply that is plain content (no reasoning, no tool calls)."""
+    return ParsedMessage(reasoning=None, content=text, tool_calls=[], reasoning_tokens=0)
 
 
 def chat_message(parsed: ParsedMessage, reasoning_field: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ core; callers restore the affinity they had).
 
 Usage::
 
-    eng = Engine("P", write_model_dir(tmp / "opt"), tmp, writer_tag=1, extra={"bidirectional_kv_xfer": True})
+    eng = CpuEngine("P", write_model_dir(tmp / "opt"), tmp, writer_tag=1, extra={"bidirectional_kv_xfer": True})
     eng.add("cmpl-1-0", prompt_ids, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     out = eng.run("cmpl-1-0")          # EngineCoreOutput; out.kv_transfer_params is P's handle
 """
@@ -73,6 +73,8 @@ NUM_HEADS = 12
 HEAD_SIZE = 64
 PAGE_BYTES = 2 * BLOCK_SIZE * NUM_HEADS * HEAD_SIZE * 2   # K and V, fp16: 98,304 bytes per layer per block
 CONNECTOR = "KVDiagNixlConnector"
+# vLLM imports kvdiag's connector by this path inside the engine: the one place kvdiag names the
+# instrumentation package, which no kvdiag module imports (docs/design.md, "Imports").
 CONNECTOR_MODULE = "kvdiag.instrumentation.connector"
 PLAIN_CONNECTOR = "NixlConnector"
 
@@ -167,7 +169,7 @@ def init_distributed_once(tmp_dir: Path) -> None:
     _dist_ready = True
 
 
-class Engine:
+class CpuEngine:
     """A P or D engine: real Scheduler + connector (both roles) + CPU KV cache; fake forward/sampler."""
 
     def __init__(self, name: str, model_dir: Path, work_dir: Path, *, writer_tag: int, num_blocks: int = 128,
