@@ -262,7 +262,7 @@ CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS SELECT
   (SELECT arg_max(TRY_CAST(ttl AS DOUBLE), seq) FROM pl WHERE kind = 'stale') AS ctx_router_ttl"""
 
 # Each turn with its conversation's previous turn and the facts the rules derive from several columns.
-TURNS_SQL: Final = """CREATE TEMP TABLE tf AS
+TURNS_SQL: Final = """CREATE TEMP VIEW tf AS
 WITH base AS (SELECT t.*, ctx.*, t.px_seq IS NOT NULL AS has_px,
     coalesce(t.has_events, false) AS has_ev,
     CASE WHEN coalesce(t.has_events, false) THEN coalesce(t.client_ok, false)
@@ -279,21 +279,27 @@ f AS (SELECT *, CASE WHEN answered THEN NULL ELSE coalesce(ev_failed_why, vl_fai
       + TRY_CAST(substr(px_first_ts, 15, 2) AS INTEGER) * 60 + TRY_CAST(substr(px_first_ts, 18, 2) AS INTEGER)
       AS px_start
   FROM base),
-o AS (SELECT *, row_number() OVER w AS pos,
-    lag(sid) OVER w AS prev_sid, lag(turn) OVER w AS prev_turn, lag(px_stored) OVER w AS prev_stored,
-    coalesce(lag(px_has_stored) OVER w, false) AS prev_has_stored,
-    lag(px_not_stored) OVER w AS prev_not_stored, coalesce(lag(px_has_not_stored) OVER w, false)
-      AS prev_has_not_stored, lag(px_not_stored_why) OVER w AS prev_not_stored_why, lag(aborted) OVER w AS prev_aborted,
-    lag(failed_why) OVER w AS prev_failed_why, lag(failed_ref) OVER w AS prev_failed_ref,
-    lag(px_first) OVER w AS prev_px_first, lag(has_px) OVER w AS prev_has_px, lag(stored_seq) OVER w AS prev_stored_seq,
-    lag(px_seq) OVER w AS prev_px_seq, lag(s_input_num_tokens) OVER w AS prev_s_input_num_tokens,
-    lag(s_output_num_tokens) OVER w AS prev_s_output_num_tokens, lag(stat_ref) OVER w AS prev_stat_ref,
-    lag(s_start_time_ms) OVER w AS prev_s_start_time_ms, lag(s_latency_ms) OVER w AS prev_s_latency_ms,
-    coalesce(bool_and((failed_why IS NOT NULL OR (has_px AND NOT coalesce(px_has_stored, false)
-                                                  AND NOT coalesce(px_done, false)))
-                      AND NOT coalesce(px_has_stored, false))
-             OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false) AS earlier_all_failed
-  FROM f WINDOW w AS (PARTITION BY conversation_id ORDER BY turn, coalesce(px_seq, 0), sid))
+-- the conversation's order (a narrow window), then the previous turn by a join on it
+ord AS (SELECT sid, row_number() OVER (PARTITION BY conversation_id ORDER BY turn, coalesce(px_seq, 0), sid) AS pos,
+    conversation_id FROM turn_facts),
+prev AS (SELECT o2.conversation_id, o2.pos + 1 AS next_pos, f.sid AS prev_sid, f.turn AS prev_turn,
+    f.px_stored AS prev_stored, coalesce(f.px_has_stored, false) AS prev_has_stored,
+    f.px_not_stored AS prev_not_stored, coalesce(f.px_has_not_stored, false) AS prev_has_not_stored,
+    f.px_not_stored_why AS prev_not_stored_why, f.aborted AS prev_aborted, f.failed_why AS prev_failed_why,
+    f.failed_ref AS prev_failed_ref, f.px_first AS prev_px_first, f.has_px AS prev_has_px,
+    f.stored_seq AS prev_stored_seq, f.px_seq AS prev_px_seq, f.s_input_num_tokens AS prev_s_input_num_tokens,
+    f.s_output_num_tokens AS prev_s_output_num_tokens, f.stat_ref AS prev_stat_ref,
+    f.s_start_time_ms AS prev_s_start_time_ms, f.s_latency_ms AS prev_s_latency_ms
+  FROM f JOIN ord o2 USING (sid)),
+-- every earlier request failed and stored no handle: a running AND over the conversation's order
+earlier AS (SELECT sid, coalesce(bool_and(x) OVER (PARTITION BY conversation_id ORDER BY pos ROWS BETWEEN UNBOUNDED
+    PRECEDING AND 1 PRECEDING), false) AS earlier_all_failed
+  FROM (SELECT f.sid, o3.conversation_id, o3.pos, (f.failed_why IS NOT NULL OR (f.has_px AND NOT
+          coalesce(f.px_has_stored, false) AND NOT coalesce(f.px_done, false))) AND NOT coalesce(f.px_has_stored, false)
+          AS x FROM f JOIN ord o3 USING (sid))),
+o AS (SELECT f.*, ord.pos, prev.* EXCLUDE (conversation_id, next_pos), earlier.earlier_all_failed
+  FROM f JOIN ord USING (sid) JOIN earlier USING (sid)
+  LEFT JOIN prev ON prev.conversation_id = ord.conversation_id AND prev.next_pos = ord.pos)
 SELECT o.*,
   coalesce(c_ttft_ms, s_ttft_ms, e_ttft_ms) AS ttft_ms,
   coalesce(c_prompt_tokens, s_input_num_tokens, e_prompt_tokens) AS prompt_tokens,
@@ -337,7 +343,8 @@ def _decide_with_windows(run: Run) -> None:
         w.w_read, w.w_why, coalesce(w.w_refs, []) AS w_refs, w.w_rejected, w.w_prefix_caching,
         coalesce(w.w_recovered, false) AS w_recovered, w.w_caching_ref
       FROM tf LEFT JOIN wfind w ON w.rid = tf.px_rid""")
-    run.con.execute("CREATE OR REPLACE TEMP TABLE decided AS " + decide_sql("tfw"))
+    keep = (*RECORD_COLUMNS, "sid", "px_rid")
+    run.con.execute("CREATE OR REPLACE TEMP TABLE decided AS " + decide_sql("tfw", keep))
 
 
 def wanted_windows(run: Run) -> list[str]:

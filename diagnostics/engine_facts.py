@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from kvdiag.diagnostics.engine_parse import sql_str
+from kvdiag.diagnostics.engine_parse import VLLM_TEXT, sql_str
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
@@ -169,7 +169,7 @@ def facts_sql() -> list[str]:
               {_first(REF, 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS vl_failed_ref
             FROM fl GROUP BY sid""",
         # ---- one row per turn
-        """CREATE TEMP TABLE turn_facts AS
+        """CREATE TEMP VIEW turn_facts AS
            SELECT s.sid, s.conv AS conversation_id, s.turn, s.rid AS request_id,
              e.* EXCLUDE (sid), d.* EXCLUDE (sid), p.* EXCLUDE (sid), v.* EXCLUDE (sid),
              c.ttft_ms AS s_ttft_ms, c.latency_ms AS s_latency_ms, c.start_time_ms AS s_start_time_ms,
@@ -196,12 +196,13 @@ def evidence_sql(refs: str) -> str:
     and its text (at most 300 characters), as explain prints them."""
     return f"""
 WITH r AS (SELECT DISTINCT ref, (ref >> 40)::INTEGER AS f, (ref & ((1::BIGINT << 40) - 1)) AS n FROM {refs}),
-t AS (SELECT r.ref, r.f, r.n, coalesce(e.text, c.text, v.text, CASE WHEN lj.line IS NOT NULL THEN left(CASE
+t AS (SELECT r.ref, r.f, r.n, coalesce(e.text, c.text, CASE WHEN h.f IS NOT NULL THEN {VLLM_TEXT} END,
+      CASE WHEN lj.line IS NOT NULL THEN left(CASE
         WHEN starts_with(lj.line, '{{') AND ends_with(lj.line, '}}') THEN lj.line ELSE trim(lj.line, {_WS}) END, 500)
         END, left(CASE WHEN ends_with(lp.line, chr(13)) THEN rtrim(lp.line, chr(13)) ELSE lp.line END, 500)) AS text
       FROM r LEFT JOIN ev e ON e.f = r.f AND e.n = r.n
       LEFT JOIN (SELECT f, n, arg_max(text, sub) AS text FROM cs GROUP BY f, n) c ON c.f = r.f AND c.n = r.n
-      LEFT JOIN vl v ON v.f = r.f AND v.n = r.n LEFT JOIN lines_json lj ON lj.f = r.f AND lj.n = r.n
+      LEFT JOIN vl_head h ON h.f = r.f AND h.n = r.n LEFT JOIN lines_json lj ON lj.f = r.f AND lj.n = r.n
       LEFT JOIN lines_proxy lp ON lp.f = r.f AND lp.n = r.n)
 SELECT t.ref, fl.path || ':' || t.n AS source, left(t.text, 300) AS text FROM t JOIN files fl USING (f)
 WHERE t.text IS NOT NULL"""

@@ -268,7 +268,7 @@ def _re2(pattern: re.Pattern[str]) -> str:
 def _between(start: str, end: str | None) -> str:
     """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end)."""
     after = f"substr(msg, strpos(msg, {sql_str(start)}) + {len(start)})"
-    return after if end is None else f"left({after}, strpos({after}, {sql_str(end)}) - 1)"
+    return after if end is None else f"split_part({after}, {sql_str(end)}, 1)"
 
 
 # Groups of the common proxy lines cut out by position: the kind's pattern (matched without captures, which
@@ -293,9 +293,17 @@ _PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
 _MISS_WHY: Final = re.compile(r"^\[[^\]]+\] conv=\S+?: cache MISS \((?P<why>[^)]*)\)")
 
 
+def _marker(regex: re.Pattern[str]) -> str:
+    """The longest literal run of the pattern (every line of its kind contains it): a cheap test first."""
+    runs = re.findall(r"(?:\\.|[^\\()\[\]?*+{}|^$.])+", regex.pattern)
+    literals = [re.sub(r"\\(.)", r"\1", r) for r in runs if not re.search(r"\\[dDsSwWbB]", r)]
+    return max(literals, key=len)
+
+
 def parse_proxy_sql() -> list[str]:
     """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives."""
-    kinds = [f"WHEN lead = {sql_str(proxy_log._lead(regex))} AND regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}"
+    kinds = [f"WHEN lead = {sql_str(proxy_log._lead(regex))} AND contains(msg, {sql_str(_marker(regex))}) "
+             f"AND regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}"
              for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS)]
     fields = []
     for name in _PROXY_NAMES:
@@ -401,6 +409,9 @@ _VLLM_COLUMNS: Final = {"request_id": "VARCHAR", "request_ids": "VARCHAR[]", "fa
                         "remote_blocks": "BIGINT", "block_size": "BIGINT", "finish_reason": "VARCHAR",
                         "remote_request_id": "VARCHAR", "why": "VARCHAR"}
 VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *_VLLM_COLUMNS)
+# vllm_log.VllmRecord.text: the record's first line as the operator would grep it (no colours, no prefix)
+VLLM_TEXT: Final = ("left(CASE WHEN h.proc <> '' THEN '(' || h.proc || ' pid=' || h.pid || ') ' ELSE '' END || h.level "
+                    "|| ' ' || h.ts || ' [' || h.fileinfo || '] ' || h.msg, 500)")
 
 
 def _classifiers() -> list[tuple[int, str, re.Pattern[str], str | None]]:
@@ -479,9 +490,7 @@ def parse_vllm_sql() -> list[str]:
             FROM (SELECT f, n, regexp_extract(t, {header}, ['proc', 'pid', 'prefix', 'lvl', 'ts', 'file', 'line',
                                                            'msg']) AS h FROM vl_clean WHERE NOT std)""",
         f"""CREATE TEMP TABLE vl AS SELECT f, n,
-              left(CASE WHEN proc <> '' THEN '(' || proc || ' pid=' || pid || ') ' ELSE '' END || level || ' ' || ts
-                   || ' [' || fileinfo || '] ' || msg, 500) AS text,
-              level, ts, CASE k {kind_names} END AS kind, {', '.join(fields)}
+              NULL::VARCHAR AS text, level, ts, CASE k {kind_names} END AS kind, {', '.join(fields)}
             FROM (SELECT *, {structs} FROM (SELECT *, {'CASE ' + ' '.join(whens) + ' END'} AS k
                                             FROM (SELECT *, {word} AS w FROM vl_head)))""",
     ]

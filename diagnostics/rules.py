@@ -13,6 +13,7 @@ docs/verdicts.md explains each rule; docs/design.md ("Where a verdict rule lives
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -236,6 +237,9 @@ ANSWERED: Final = ("rtrim({reason}, '.') || '; P failed that prefill on KV load 
                    "the client got its answer: the decode leg went ahead without P''s KV'")
 
 
+_DECIDED: Final = ("reason", "evidence", "wants_windows", "rule", "verdict", "confidence")
+
+
 def summary_sql(column: str) -> str:
     """SQL for the summary of the verdict named in ``column`` (the reason when an event states none)."""
     whens = " ".join(f"WHEN {v(x)} THEN {q(VERDICT_INFO[x].summary)}" for x in Verdict)
@@ -247,9 +251,9 @@ def _evidence(items: tuple[str, ...]) -> str:
     return "list_filter(" + (" || ".join(parts) if parts else "[]") + ", lambda x: x IS NOT NULL)"
 
 
-def decide_sql(source: str) -> str:
-    """One SELECT over ``source`` (the turns' facts) adding each turn's rule, verdict, confidence, reason and
-    evidence, and the columns a rule states itself."""
+def decide_sql(source: str, keep: Sequence[str]) -> str:
+    """One SELECT over ``source`` (the turns' facts): the columns in ``keep``, and each turn's rule, verdict,
+    confidence, reason and evidence, and the columns a rule states itself."""
     pick = " ".join(f"WHEN {r.when} THEN {i}" for i, r in enumerate(RULES))
 
     def by_rule(attr: str) -> str:
@@ -272,7 +276,7 @@ def decide_sql(source: str) -> str:
 WITH picked AS (SELECT *, CASE {pick} END AS rule_no FROM {source}),
 said AS (SELECT *, {by_rule('verdict')} AS verdict, {by_rule('confidence')} AS confidence, {reason} AS r0,
            {evidence} AS ev0, {by_rule('with_failure')} AS wf FROM picked)
-SELECT * EXCLUDE (r0, ev0, wf{''.join(', ' + k for k in sets)}), {overrides},
+SELECT {', '.join(c for c in keep if c not in sets and c not in _DECIDED)}, {overrides},
   CASE WHEN NOT wf THEN r0 WHEN failed_why IS NOT NULL THEN {failing}
        WHEN p_kvfail IS NOT NULL AND answered THEN CASE WHEN has_ev THEN {retried} ELSE {answered} END
        ELSE r0 END AS reason,
@@ -280,5 +284,5 @@ SELECT * EXCLUDE (r0, ev0, wf{''.join(', ' + k for k in sets)}), {overrides},
               WHEN p_kvfail IS NOT NULL AND answered THEN list_filter([p_kvfail, CASE WHEN NOT has_ev
                 THEN answer_proof END], lambda x: x IS NOT NULL) ELSE [] END AS evidence,
   rule_no IN ({windows or '-1'}) AS wants_windows,
-  {[r.name for r in RULES]}[rule_no + 1] AS rule
+  {[r.name for r in RULES]}[rule_no + 1] AS rule, verdict, confidence
 FROM said"""

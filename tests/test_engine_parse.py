@@ -71,8 +71,9 @@ def _inputs(tmp_path: Path) -> list[Path]:
 def test_vllm_and_proxy_records_equal_the_python_parsers(tmp_path: Path) -> None:
     files = _inputs(tmp_path)
     con, loaded = _engine(files)
-    vl = {(f, n): (kind, rid, list(rids or []), text) for f, n, kind, rid, rids, text in
-          con.execute("SELECT f, n, kind, request_id, request_ids, text FROM vl").fetchall()}
+    vl = {(f, n): (kind, rid, list(rids or []), text) for f, n, kind, rid, rids, text in con.execute(
+        f"SELECT v.f, v.n, v.kind, v.request_id, v.request_ids, {ep.VLLM_TEXT} FROM vl v JOIN vl_head h USING (f, n)"
+    ).fetchall()}
     pl = {(row[0], row[1]): row[2:] for row in con.execute(
         "SELECT f, n, kind, rid, conv, remote, age, ttl, why, ms, detail, p FROM pl").fetchall()}
     seen = {"vllm": 0, "proxy": 0}
