@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PKGS := schema sim router diagnostics instrumentation exporters dashboards alerts check cli demo
+PKGS := schema sim router diagnostics instrumentation exporters dashboards alerts monitoring check cli demo
 APT_PACKAGES := prometheus redis-server chromium
 
 .PHONY: demo test lint typecheck pytest venv test-deps sysdeps vllm-env generate check-generated clean bench

@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from kvdiag.schema.errors import KVDiagError
+
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -22,7 +24,7 @@ EXIT_UNREACHABLE: Final = 3
 REPORT_VERSION: Final = 1
 
 
-class CheckError(Exception):
+class CheckError(KVDiagError):
     """Base of the live check's errors."""
 
 

@@ -25,11 +25,13 @@ from typing import Any, Final
 
 import aiohttp
 
+from kvdiag.schema.errors import KVDiagError
+
 # msgpack of (b"get_meta_msg", 0, 0): fixarray(3), bin8(12) + bytes, fixint 0, fixint 0.
 _GET_META: Final = b"\x93\xc4\x0cget_meta_msg\x00\x00"
 
 
-class SideChannelError(Exception):
+class SideChannelError(KVDiagError):
     """The side channel did not give a clock reading; the message says why."""
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import click
 
 from kvdiag.alerts.build import dumps as dumps_rule_file
-from kvdiag.alerts.export_k8s import DEFAULT_NAME, prometheus_rule
-from kvdiag.alerts.export_k8s import dumps as dumps_prometheus_rule
-from kvdiag.dashboards.config import DEFAULT_CONFIG, ConfigError, MixinConfig
-from kvdiag.dashboards.export_k8s import parse_labels
+from kvdiag.alerts.prometheus_rule import DEFAULT_NAME, prometheus_rule
+from kvdiag.alerts.prometheus_rule import dumps as dumps_prometheus_rule
+from kvdiag.monitoring.config import DEFAULT_CONFIG, MixinConfig, MonitoringConfigError
+from kvdiag.monitoring.k8s_objects import parse_labels
 
 RUNBOOKS = "docs/runbooks.md"
 
@@ -71,7 +71,7 @@ def export(out: str, fmt: str, runbook_base_url: str, router_selector: str, name
         else:
             text = dumps_prometheus_rule(prometheus_rule(config, name=name, namespace=namespace,
                                                          labels=parse_labels(labels)))
-    except ConfigError as exc:
+    except MonitoringConfigError as exc:
         raise click.ClickException(str(exc)) from None
     _write(out, text)
 

@@ -8,8 +8,9 @@ from types import ModuleType
 
 import click
 
-from kvdiag.dashboards.config import DEFAULT_CONFIG, ConfigError, MixinConfig
-from kvdiag.dashboards.export_k8s import configmaps, dumps_all, parse_labels
+from kvdiag.dashboards.configmaps import configmaps, dumps_all
+from kvdiag.monitoring.config import DEFAULT_CONFIG, MixinConfig, MonitoringConfigError
+from kvdiag.monitoring.k8s_objects import parse_labels
 
 
 @click.group("dashboards")
@@ -65,7 +66,7 @@ def export(out: str, fmt: str, router_selector: str, vllm_selector: str, namespa
         sidecar = next(iter(parse_labels([sidecar_label]).items()))
         text = dumps_all(configmaps(config, namespace=namespace, folder=folder or None, labels=parse_labels(labels),
                                     sidecar_label=sidecar))
-    except ConfigError as exc:
+    except MonitoringConfigError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"cannot write to {out}: {exc.strerror}; pick a writable --out") from None

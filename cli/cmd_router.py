@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from kvdiag.router.config import DEFAULT_DECODER_KV_BLOCKS_TTL, POLICIES, ConfigError, RouterConfig, Upstream
+from kvdiag.router.config import DEFAULT_DECODER_KV_BLOCKS_TTL, POLICIES, RouterConfig, RouterConfigError, Upstream
 from kvdiag.router.store import StoreError
 from kvdiag.schema.process import run_event_loop
 
@@ -126,7 +126,7 @@ def router(**opts: Any) -> None:
         health_check_interval=opts["health_check_interval"], health_check_timeout=opts["health_check_timeout"])
     try:
         config.validate()
-    except ConfigError as exc:
+    except RouterConfigError as exc:
         raise click.ClickException(str(exc)) from None
     try:
         run_event_loop(_serve(config, opts["ready_file"]))

@@ -10,7 +10,7 @@ from typing import Any, Final
 import click
 
 from kvdiag.schema.process import run_event_loop
-from kvdiag.sim.config import REASONING_FIELDS, REASONING_PARSERS, TOOL_CALL_PARSERS, ConfigError, EngineConfig
+from kvdiag.sim.config import REASONING_FIELDS, REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, EngineConfigError
 from kvdiag.sim.faults import POLICIES, FaultError, parse_fail_transfers
 from kvdiag.sim.fleet import MAX_ENGINES, FleetSpec, serve_fleet
 from kvdiag.sim.server import serve
@@ -127,7 +127,7 @@ _OPTION_NAMES: Final = _option_names()
 
 
 def _config(role: str, opts: dict[str, Any]) -> EngineConfig:
-    """The EngineConfig the options describe (raises ConfigError or FaultError)."""
+    """The EngineConfig the options describe (raises EngineConfigError or FaultError)."""
     return EngineConfig(
             role=role, host=opts["host"], port=opts.get("port", 0), side_channel_port=opts.get("side_channel_port", 0),
             model=opts["model"], engine_id=opts.get("engine_id"), block_size=opts["block_size"],
@@ -155,7 +155,7 @@ def _run(role: str, opts: dict[str, Any]) -> None:
         return
     try:
         config = _config(role, opts)
-    except (ConfigError, FaultError) as exc:
+    except (EngineConfigError, FaultError) as exc:
         raise click.ClickException(f"{exc} (see `kvdiag sim {role} --help`)") from None
     if config.events_file and not config.instrumented:
         raise click.ClickException("--events-file needs --mode instrumented (stock mode writes only vLLM's logs)")
@@ -214,7 +214,7 @@ def fleet(n_prefill: int, n_decode: int, no_prefill_prefix_caching: bool, log_di
         spec.validate()
         prefill_config = _config("prefill", {**opts, "no_prefix_caching": no_prefill_prefix_caching})
         decode_config = _config("decode", {**opts, "no_prefix_caching": False})
-    except (ConfigError, FaultError) as exc:
+    except (EngineConfigError, FaultError) as exc:
         raise click.ClickException(f"{exc} (see `kvdiag sim fleet --help`; at most {MAX_ENGINES} per role)") \
             from None
     try:

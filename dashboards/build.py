@@ -16,7 +16,7 @@ from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from kvdiag.dashboards import kv_reuse, kv_transfer, router_health
-from kvdiag.dashboards.config import DEFAULT_CONFIG, MixinConfig
+from kvdiag.monitoring.config import DEFAULT_CONFIG, MixinConfig
 
 DashboardBuilder = Callable[[MixinConfig], dashboard.Dashboard]
 

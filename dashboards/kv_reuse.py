@@ -6,8 +6,8 @@ from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models import units
 
 from kvdiag.dashboards import queries as q
-from kvdiag.dashboards.config import MixinConfig
 from kvdiag.dashboards.panels import Target, base_dashboard, stat_panel, timeseries_panel
+from kvdiag.monitoring.config import MixinConfig
 
 FILE_STEM = "kv-reuse"
 TITLE = "kvdiag / KV reuse"

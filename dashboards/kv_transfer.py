@@ -6,8 +6,8 @@ from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models import units
 
 from kvdiag.dashboards import queries as q
-from kvdiag.dashboards.config import MixinConfig
 from kvdiag.dashboards.panels import TP_POOLING_NOTE, Target, base_dashboard, timeseries_panel, vllm_instance_variable
+from kvdiag.monitoring.config import MixinConfig
 
 FILE_STEM = "kv-transfer"
 TITLE = "kvdiag / KV transfer"

@@ -13,7 +13,7 @@ from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeser
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh, VariableSort
 
-from kvdiag.dashboards.config import MixinConfig
+from kvdiag.monitoring.config import MixinConfig
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 

@@ -12,6 +12,7 @@ from typing import Any
 import promql_parser
 
 from kvdiag.dashboards.vllm_metrics import vllm_exposed_names
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.metrics import all_exposed_names
 
 # Grafana's interval variables -> a duration; every other ``$var`` / ``${var}`` -> a match-all regex.
@@ -19,7 +20,7 @@ _INTERVAL_VARS = {"__rate_interval": "5m", "__interval": "1m", "__range": "1h"}
 _VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 
 
-class PromQLError(ValueError):
+class PromQLError(KVDiagError, ValueError):
     """An expression does not parse or names a metric outside the catalog and vLLM's list."""
 
 

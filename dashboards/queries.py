@@ -6,7 +6,7 @@ engine series by ``$vllm_instance`` and ``model_name=~"$model"``. Rates use ``$_
 
 from __future__ import annotations
 
-from kvdiag.dashboards.config import ELIGIBLE_OUTCOMES_RE, REUSED_OUTCOMES_RE, MixinConfig
+from kvdiag.monitoring.config import ELIGIBLE_OUTCOMES_RE, REUSED_OUTCOMES_RE, MixinConfig
 
 RATE = "$__rate_interval"
 

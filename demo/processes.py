@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
+from kvdiag.schema.errors import KVDiagError
+
 # Runs the kvdiag CLI with the interpreter running the demo (no reliance on PATH or the venv script).
 _CLI_BOOTSTRAP: Final = "from kvdiag.cli.main import cli; cli(prog_name='kvdiag')"
 READY_TIMEOUT_S: Final = 20.0
 STOP_GRACE_S: Final = 5.0
 
 
-class ComponentError(RuntimeError):
+class ComponentError(KVDiagError, RuntimeError):
     """A component did not start (or stop) as it should; the message carries its console output."""
 
 

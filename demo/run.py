@@ -41,6 +41,7 @@ from kvdiag.demo.agent_summary import AGENT_FILES, AgentSummary, summarize_agent
 from kvdiag.demo.processes import Component, ComponentError
 from kvdiag.demo.scenarios import DemoTimings, FaultStep, PhaseContext, PhaseError, run_phases
 from kvdiag.demo.summary import DemoSummary, summarize
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import Verdict
 from kvdiag.sim.agent_client import AgentOptions, AgentRunner
 from kvdiag.sim.workload import ClientLogWriter, WorkloadRunner, write_request_stats
@@ -75,7 +76,7 @@ FAULT_STEPS: Final[list[FaultStep]] = [
 ]
 
 
-class DemoError(RuntimeError):
+class DemoError(KVDiagError, RuntimeError):
     """The demo could not run; the message says which component or phase and where its log is."""
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import Verdict
 from kvdiag.sim.workload import Conversation, WorkloadRunner
 from kvdiag.sim.workload_plan import ConversationPlan, Scenario, TurnPlan
@@ -28,7 +29,7 @@ from kvdiag.sim.workload_plan import ConversationPlan, Scenario, TurnPlan
 _logger = logging.getLogger(__name__)
 
 
-class PhaseError(RuntimeError):
+class PhaseError(KVDiagError, RuntimeError):
     """A demo phase could not drive the testbed (an admin call failed, a component died)."""
 
 

@@ -421,7 +421,7 @@ def _policy_checks(df: pd.DataFrame, cfg: DeploymentConfig) -> list[Finding]:
                         f"kv_load_failure_policy=recompute: vLLM 0.33 can hang the request in WAITING_FOR_REMOTE_KVS "
                         f"after a declined or failed D->P read ({hung} hung turns seen).",
                         "Use kv_load_failure_policy=fail and keep reads from expiring (router TTL < decode TTL − 5 s), "
-                        "or upgrade past the fix (vllm-bidir-observed.md F1).", data)]
+                        "or upgrade to a vLLM release that fixes the hang.", data)]
     if policy == "fail" or (policy is None and failed):
         return [Finding("kv_load_failure_policy", "warning" if len(bad_reads) else "ok",
                         f"kv_load_failure_policy=fail (vLLM's default): every expired or failed D->P read fails the "

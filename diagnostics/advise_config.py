@@ -2,7 +2,7 @@
 
 A cheap line scan (substring test before any regex or JSON parse) over the same files explain
 reads. Stock vLLM logs give the startup line (threshold and decode TTL, verbatim format in
-vllm.md §3.2) and the KV-load-failure lines; the proxy log gives the router TTL on stale entries;
+docs/vllm-reference.md) and the KV-load-failure lines; the proxy log gives the router TTL on stale entries;
 kvdiag events give ``ttl_s`` and ``engine_start`` attrs.
 """
 

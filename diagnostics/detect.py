@@ -15,13 +15,14 @@ from typing import IO, Final
 
 from kvdiag.diagnostics.proxy_log import is_proxy_line
 from kvdiag.diagnostics.vllm_log import ANSI_RE, HEADER_RE
+from kvdiag.schema.errors import KVDiagError
 
 SNIFF_BYTES: Final = 64 * 1024
 FORMATS: Final = ("events", "client_stats", "proxy", "vllm", "unknown")
 _ROTATED_RE: Final = re.compile(r"^(?P<base>.*?)(?:\.(?P<n>\d+))?(?P<gz>\.gz)?$")
 
 
-class LogReadError(OSError):
+class LogReadError(KVDiagError, OSError):
     """A log file cannot be read; the message names it."""
 
 

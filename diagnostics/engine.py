@@ -34,6 +34,7 @@ from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
 from kvdiag.diagnostics.scan import GREP, grep_ere, grep_regex
+from kvdiag.schema.errors import KVDiagError
 
 # vLLM lines the rules can read, by their message's first letters (after the header's "] "); grep keeps them
 # at C speed and numbers them as the engine does (by "\n").
@@ -48,7 +49,7 @@ _JSON_FORMATS: Final = ("events", "client_stats")
 _TABLES: Final = {"events": "lines_json", "client_stats": "lines_json", "proxy": "lines_proxy", "vllm": "lines_vllm"}
 
 
-class EngineError(Exception):
+class EngineError(KVDiagError):
     """The inputs cannot be read; the message names the file."""
 
 

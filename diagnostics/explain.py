@@ -35,6 +35,7 @@ from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
 from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, head_lines
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.diagnostics.vllm_log import header_request_id
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
@@ -46,7 +47,7 @@ HEAD_BYTES: Final = 4 * 1024 * 1024  # engine settings are logged at startup
 SOURCES: Final = ("client", "router", "prefill", "decode")
 
 
-class ExplainError(Exception):
+class ExplainError(KVDiagError):
     """Base class of explain errors."""
 
 

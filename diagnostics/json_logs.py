@@ -1,5 +1,5 @@
 """JSON inputs: kvdiag TurnEvents, vLLM multi-turn benchmark ``--stats-json-output`` records
-(``RequestStats`` fields, vllm.md §7) and generic JSON lines carrying ``conversation_id`` + ``ttft_ms``.
+(``RequestStats`` fields, docs/vllm-reference.md) and generic JSON lines carrying ``conversation_id`` + ``ttft_ms``.
 """
 
 from __future__ import annotations

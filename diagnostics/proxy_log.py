@@ -1,4 +1,4 @@
-"""Parser for the text log of vLLM's ``disagg_proxy_multiturn.py`` (vllm.md §6.2).
+"""Parser for the text log of vLLM's ``disagg_proxy_multiturn.py`` (its format: docs/vllm-reference.md).
 
 Format ``%(asctime)s [%(levelname)s] %(name)s: %(message)s`` with ``%Y-%m-%d %H:%M:%S``; the
 kvdiag router writes the same lines with ``--proxy-log``. Conversation ids appear as ``conv=%s``

@@ -25,6 +25,7 @@ from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report_trims import TrimSummary, trim_summary
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.exporters import parquet
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.metrics import _PROMPT_EDGES, MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 
@@ -60,7 +61,7 @@ EXPIRY_SAFETY_MARGIN_S: Final = 5.0
 GAP_HISTOGRAM_BINS: Final = 30
 
 
-class ReportError(Exception):
+class ReportError(KVDiagError):
     """The inputs cannot produce a report (no turns, unreadable cache); the message says why."""
 
 

@@ -1,4 +1,4 @@
-"""Parser for stock vLLM text logs (vllm.md §3–4, vllm-bidir-observed.md).
+"""Parser for stock vLLM text logs (the lines: docs/vllm-reference.md).
 
 Handles ANSI colours, an optional ``VLLM_LOGGING_PREFIX``, the ``(EngineCore_DP0 pid=N)`` process
 prefix, ``[file.py:N]`` (INFO) and ``[distributed/.../file.py:N]`` (DEBUG) forms, ``\\r``-continued

@@ -3,7 +3,7 @@
 Usage::
 
     config = RouterConfig(prefill=(Upstream("127.0.0.1", 8100),), decode=(Upstream("127.0.0.1", 8200),))
-    config.validate()   # raises ConfigError naming the option and the fix
+    config.validate()   # raises RouterConfigError naming the option and the fix
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from kvdiag.schema.errors import KVDiagError
+
 DEFAULT_DECODER_KV_BLOCKS_TTL: Final = 480.0  # vLLM's default decoder_kv_blocks_ttl (seconds)
 DEFAULT_TTL_MARGIN: Final = 30.0  # 480 - 30 = 450 s, the example proxy's TTL
 # P declines a D->P read when D's deadline is within this many seconds (vLLM pull_worker.py).
@@ -19,7 +21,7 @@ P_EXPIRY_SAFETY_MARGIN: Final = 5.0
 POLICIES: Final = ("round-robin", "kv-aware")  # placement policies (router/placement.py)
 
 
-class ConfigError(ValueError):
+class RouterConfigError(KVDiagError, ValueError):
     """The router cannot start with these options; the message names the option and the fix."""
 
 
@@ -103,57 +105,57 @@ class RouterConfig:
         return self.prefill_timeout + self.decode_timeout + 30.0
 
     def validate(self) -> RouterConfig:
-        """Check every option; raise ConfigError naming the first bad one and the fix. Returns self."""
+        """Check every option; raise RouterConfigError naming the first bad one and the fix. Returns self."""
         if not self.prefill:
-            raise ConfigError("no prefill instance: pass --prefiller-hosts/--prefiller-ports")
+            raise RouterConfigError("no prefill instance: pass --prefiller-hosts/--prefiller-ports")
         if not self.decode:
-            raise ConfigError("no decode instance: pass --decoder-hosts/--decoder-ports")
+            raise RouterConfigError("no decode instance: pass --decoder-hosts/--decoder-ports")
         for role, ups in (("prefiller", self.prefill), ("decoder", self.decode)):
             for up in ups:
                 if not 0 < up.port < 65536:
-                    raise ConfigError(f"--{role}-ports: {up.port} is not a TCP port (1-65535)")
+                    raise RouterConfigError(f"--{role}-ports: {up.port} is not a TCP port (1-65535)")
         if self.decoder_kv_blocks_ttl <= 0:
-            raise ConfigError("--decoder-kv-blocks-ttl must be positive (vLLM's default is 480)")
+            raise RouterConfigError("--decoder-kv-blocks-ttl must be positive (vLLM's default is 480)")
         ttl = self.handle_ttl
         if ttl <= 0:
-            raise ConfigError("--entry-ttl must be positive")
+            raise RouterConfigError("--entry-ttl must be positive")
         if ttl >= self.decoder_kv_blocks_ttl:
-            raise ConfigError(
+            raise RouterConfigError(
                 f"--entry-ttl {ttl:g}s must be below decoder_kv_blocks_ttl ({self.decoder_kv_blocks_ttl:g}s): "
                 "D frees a conversation's blocks after that TTL (not renewed), so a handle the router still "
                 "holds would point at released blocks and every late turn would fail or recompute. "
                 f"Use --entry-ttl {max(self.decoder_kv_blocks_ttl - DEFAULT_TTL_MARGIN, 1):g} or raise "
                 "--decoder-kv-blocks-ttl to match D's kv_connector_extra_config")
         if self.max_entries < 1:
-            raise ConfigError("--max-entries must be at least 1")
+            raise RouterConfigError("--max-entries must be at least 1")
         if self.last_turn_ttl < ttl:
-            raise ConfigError("--last-turn-ttl must be at least the entry TTL, or expiry cannot be told apart")
+            raise RouterConfigError("--last-turn-ttl must be at least the entry TTL, or expiry cannot be told apart")
         for name in ("prefill_timeout", "decode_timeout", "connect_timeout"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive (seconds)")
+                raise RouterConfigError(f"--{name.replace('_', '-')} must be positive (seconds)")
         if self.max_connections < 1 or self.max_connections_per_host < 1:
-            raise ConfigError("--max-connections must be at least 1")
+            raise RouterConfigError("--max-connections must be at least 1")
         if self.block_size is not None and not 1 <= self.block_size <= 1 << 20:
-            raise ConfigError(f"--block-size {self.block_size}: use the engines' KV block size (e.g. 16)")
+            raise RouterConfigError(f"--block-size {self.block_size}: use the engines' KV block size (e.g. 16)")
         if not 0 <= self.template_margin_tokens <= 1 << 16:
-            raise ConfigError("--template-margin-tokens must be between 0 and 65536")
+            raise RouterConfigError("--template-margin-tokens must be between 0 and 65536")
         if self.max_reply_bytes < 1 << 16:
-            raise ConfigError("max_reply_bytes must be at least 64 KiB")
+            raise RouterConfigError("max_reply_bytes must be at least 64 KiB")
         if self.policy not in POLICIES:
-            raise ConfigError(f"--policy {self.policy!r}: use {' or '.join(POLICIES)}")
+            raise RouterConfigError(f"--policy {self.policy!r}: use {' or '.join(POLICIES)}")
         if not 1.0 <= self.load_factor <= 100.0:
-            raise ConfigError(f"--load-factor {self.load_factor:g}: use 1.0-100 (an instance holding more than "
+            raise RouterConfigError(f"--load-factor {self.load_factor:g}: use 1.0-100 (an instance holding more than "
                               "this times the mean load loses its affinity)")
         if not 0 <= self.branch_wait <= 3600:
-            raise ConfigError("--branch-wait must be between 0 and 3600 seconds")
+            raise RouterConfigError("--branch-wait must be between 0 and 3600 seconds")
         if self.eject_after < 0:
-            raise ConfigError("--eject-after must be 0 (never eject) or a number of failures in a row")
+            raise RouterConfigError("--eject-after must be 0 (never eject) or a number of failures in a row")
         if not 0 < self.eject_seconds <= self.max_eject_seconds:
-            raise ConfigError("--eject-seconds must be positive and at most --max-eject-seconds")
+            raise RouterConfigError("--eject-seconds must be positive and at most --max-eject-seconds")
         if self.health_check_interval < 0 or self.health_check_timeout <= 0:
-            raise ConfigError("--health-check-interval must be >= 0 (0: off) and --health-check-timeout positive")
+            raise RouterConfigError("--health-check-interval must be >= 0 (0: off) and --health-check-timeout positive")
         if self.state != "memory" and not self.state.startswith(("redis://", "rediss://", "unix://", "redis+cluster://",
                                                                    "rediss+cluster://")):
-            raise ConfigError(f"--state {self.state!r}: use 'memory', a redis://host:port/db URL or "
+            raise RouterConfigError(f"--state {self.state!r}: use 'memory', a redis://host:port/db URL or "
                               "redis+cluster://host:port[,host:port...] for Redis or Valkey Cluster")
         return self

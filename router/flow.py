@@ -22,6 +22,21 @@ from aiohttp import web
 
 from kvdiag.exporters.tracecontext import trace_id_from_traceparent
 from kvdiag.router.config import RouterConfig
+from kvdiag.router.leg_messages import (
+    MISS_PARAMS,
+    TRACE_HEADERS,
+    annotate_usage,
+    finish_reason,
+    generation_error,
+    handle_params,
+    int_or_none,
+    mime_type,
+    openai_error,
+    prefill_body,
+    report_from,
+    report_in,
+    sse_error_event,
+)
 from kvdiag.router.placement import Placed, Placement
 from kvdiag.router.reply import Observed, drop_token_ids, observe_body
 from kvdiag.router.reuse import ReuseGuard
@@ -34,7 +49,7 @@ from kvdiag.router.turns import HIT, PREFIX_MISMATCH, TurnState, decide_lookup, 
 from kvdiag.router.upstream import LegError, Upstreams, check_json_response
 from kvdiag.router.usage import HEADER as REUSE_HEADER
 from kvdiag.router.usage import PrefillReuse, client_stream_filter, prefill_reuse, reuse_header, rewrite_usage
-from kvdiag.schema.events import REPORT_KEY, EventFormatError, PrefillReport
+from kvdiag.schema.events import REPORT_KEY
 from kvdiag.schema.verdicts import TrimReason, Verdict
 
 if TYPE_CHECKING:  # opentelemetry is only imported when tracing is on (the otel extra)
@@ -44,29 +59,12 @@ if TYPE_CHECKING:  # opentelemetry is only imported when tracing is on (the otel
 
 _logger = logging.getLogger(__name__)
 
-TRACE_HEADERS: Final = ("traceparent", "tracestate")  # vLLM's TRACE_HEADERS (W3C)
-
-# What P gets on a miss: the example proxy's params (P computes the prompt and holds its blocks for D).
-MISS_PARAMS: Final = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 MAX_CONVERSATION_ID: Final = 1024
 _RETRY_SAME_P_KINDS: Final = frozenset({"http_5xx", "timeout", "stream_broken"})
 
 
 class ClientRequestError(Exception):
     """The client's request cannot be routed (400)."""
-
-
-def openai_error(message: str, status: int, err_type: str = "upstream_error") -> web.Response:
-    """An OpenAI-style JSON error response."""
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return web.json_response(body, status=status)
-
-
-def sse_error_event(message: str, status: int = 502) -> bytes:
-    """An SSE error event as vLLM streams one, then ``[DONE]``."""
-    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 @dataclass
@@ -330,7 +328,7 @@ class TurnFlow:
         state = turn.state
         order = turn.order or self.upstreams.prefill_order()
         handle = turn.handle if turn.inject is not None else None
-        first_params = _handle_params(turn.inject) if turn.inject is not None else dict(MISS_PARAMS)
+        first_params = handle_params(turn.inject) if turn.inject is not None else dict(MISS_PARAMS)
         attempts: list[tuple[int, dict[str, Any], bool]] = [(order[0], first_params, handle is not None)]
         attempts += [(i, dict(MISS_PARAMS), False) for i in order[1:]]
         started = time.perf_counter()
@@ -339,11 +337,11 @@ class TurnFlow:
             while attempts:
                 index, params, with_handle = attempts.pop(0)
                 state.prefill_attempts += 1
-                prefill_body = _prefill_body(body, params)
+                p_body = prefill_body(body, params)
                 if with_handle:
                     turn.handle_reached_p = True  # until P is known not to have received it
                 try:
-                    obj = await self._post_prefill(index, path, prefill_body, headers, span, with_handle)
+                    obj = await self._post_prefill(index, path, p_body, headers, span, with_handle)
                 except LegError as exc:
                     self.telemetry.upstream_error("prefill", exc.kind)
                     last_error = exc
@@ -379,8 +377,8 @@ class TurnFlow:
                 except LegError as exc:
                     self.tracing.set_error(leg, f"{exc.kind}: {exc}")
                     raise
-                _annotate_usage(leg, obj)
-        if _finish_reason(obj) == "error":
+                annotate_usage(leg, obj)
+        if finish_reason(obj) == "error":
             # A server that answers a KV load failure with HTTP 200, finish_reason "error" (vLLM 0.33 answers 500).
             raise LegError("prefill", "http_5xx", "P finished the prefill with an error (KV load failure?)",
                            status=200, payload=obj)
@@ -389,12 +387,12 @@ class TurnFlow:
     def _handle_failed(self, turn: _Turn, exc: LegError, index: int) -> None:
         """P failed a request that carried D's handle: the verdict is the reuse cause (or not)."""
         state = turn.state
-        report = _report_from(_report_in(exc.payload), self.telemetry) if exc.payload else None
+        report = report_from(report_in(exc.payload), self.telemetry) if exc.payload else None
         if report is not None:
             state.report = report
             self._reporting_prefill.add(index)
         elif exc.kind == "http_5xx" and exc.status is not None and exc.status >= 500 \
-                and index in self._reporting_prefill and not _generation_error(exc.payload):
+                and index in self._reporting_prefill and not generation_error(exc.payload):
             # An instrumented P reports every KV failure it can; vLLM 0.33 answers a KV load failure with its
             # GenerationError 500, which carries no params (so no report): that one is inferred below.
             state.verdict, state.reason = Verdict.REQUEST_FAILED, f"P failed the request: {exc}"
@@ -411,16 +409,16 @@ class TurnFlow:
         state.prefill_index = index
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            state.prompt_tokens = _int(usage.get("prompt_tokens"))
+            state.prompt_tokens = int_or_none(usage.get("prompt_tokens"))
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict):
-                state.cached_tokens = _int(details.get("cached_tokens"))
+                state.cached_tokens = int_or_none(details.get("cached_tokens"))
         raw_params = obj.get(PARAMS_KEY)
         params = dict(raw_params) if isinstance(raw_params, dict) else None
         self.reuse.observe(params)
         report = None
         if params is not None and REPORT_KEY in params:
-            report = _report_from(params.pop(REPORT_KEY), self.telemetry)
+            report = report_from(params.pop(REPORT_KEY), self.telemetry)
             if report is not None:
                 self._reporting_prefill.add(index)
         if with_handle:
@@ -442,7 +440,7 @@ class TurnFlow:
         if exc.kind == "http_4xx" and exc.status is not None:
             # The client's request was bad: pass P's answer through unchanged.
             state.http_status = exc.status
-            return web.Response(body=exc.body, status=exc.status, content_type=_mime(exc.content_type))
+            return web.Response(body=exc.body, status=exc.status, content_type=mime_type(exc.content_type))
         state.http_status = 502
         state.missing_reason = "prefill_failed"
         return openai_error(f"prefill failed on every instance: {exc}", 502)
@@ -478,7 +476,7 @@ class TurnFlow:
         self._mark_request_failed(state, f"decode failed: {exc}")
         if exc.kind == "http_4xx" and exc.status is not None:
             state.http_status = exc.status
-            return web.Response(body=exc.body, status=exc.status, content_type=_mime(exc.content_type))
+            return web.Response(body=exc.body, status=exc.status, content_type=mime_type(exc.content_type))
         state.http_status = 502
         return openai_error(f"decode failed: {exc}", 502)
 
@@ -542,7 +540,7 @@ class TurnFlow:
                     resp.close()  # cancels the upstream request (client gone or stream failed)
                 state.decode_ms = (time.perf_counter() - started) * 1000.0
             capture.close()
-            state.completion_tokens = _int((capture.usage or {}).get("completion_tokens"))
+            state.completion_tokens = int_or_none((capture.usage or {}).get("completion_tokens"))
             if client_gone:
                 self._client_gone(turn)
                 await self._store_result(turn, None)
@@ -612,7 +610,7 @@ class TurnFlow:
             state.decode_ms = (time.perf_counter() - started) * 1000.0
             usage = obj.get("usage")
             if isinstance(usage, dict):
-                state.completion_tokens = _int(usage.get("completion_tokens"))
+                state.completion_tokens = int_or_none(usage.get("completion_tokens"))
             params = obj.pop(PARAMS_KEY, None)
             observed = observe_body(obj)
             if turn.strip_ids:
@@ -620,7 +618,7 @@ class TurnFlow:
             if isinstance(params, dict):
                 await self._store_result(turn, self._handle_from(params, d_index, turn, observed))
             else:
-                reason = "aborted" if _finish_reason(obj) == "abort" else "bidirectional_off_on_decode"
+                reason = "aborted" if finish_reason(obj) == "abort" else "bidirectional_off_on_decode"
                 state.missing_reason = reason
                 await self._store_result(turn, None)
             if leg is not None:
@@ -744,72 +742,3 @@ class TurnFlow:
                 self.tracing.set_error(span, state.error or state.status)
         except Exception:  # telemetry never breaks a turn
             self.telemetry.emit_error()
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _handle_params(stored: dict[str, Any]) -> dict[str, Any]:
-    params = dict(stored)
-    params["do_remote_decode"] = True
-    params["do_remote_prefill"] = False
-    return params
-
-
-def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    out = dict(body)
-    out["stream"] = False
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    for key in ("min_tokens", "min_completion_tokens", "stream_options"):
-        out.pop(key, None)
-    out[PARAMS_KEY] = params
-    return out
-
-
-def _report_from(raw: Any, telemetry: RouterTelemetry) -> PrefillReport | None:
-    """Parse P's report; a malformed one is counted, logged and ignored."""
-    if raw is None:
-        return None
-    try:
-        return PrefillReport.from_dict(raw)
-    except EventFormatError as exc:
-        telemetry.emit_error()
-        _logger.warning("ignoring a malformed kvdiag report from P: %s", exc)
-        return None
-
-
-def _report_in(payload: dict[str, Any]) -> Any:
-    """Where a failed P response may carry the report: its params, or its error object."""
-    for holder in (payload.get(PARAMS_KEY), payload.get("error"), payload):
-        if isinstance(holder, dict) and isinstance(holder.get(REPORT_KEY), dict):
-            return holder[REPORT_KEY]
-    return None
-
-
-def _generation_error(payload: dict[str, Any] | None) -> bool:
-    """vLLM's answer to a request that finished with finish_reason error (on P: a KV load failure)."""
-    error = payload.get("error") if isinstance(payload, dict) else None
-    return isinstance(error, dict) and error.get("message") == "Internal server error" \
-        and error.get("type") == "InternalServerError"
-
-
-def _finish_reason(obj: dict[str, Any]) -> str | None:
-    choices = obj.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        reason = choices[0].get("finish_reason")
-        return reason if isinstance(reason, str) else None
-    return None
-
-
-def _annotate_usage(span: Span, obj: dict[str, Any]) -> None:
-    usage = obj.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        span.set_attribute("gen_ai.usage.prompt_tokens", usage["prompt_tokens"])
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _mime(content_type: str) -> str:
-    return content_type.split(";", 1)[0].strip() or "application/json"

@@ -43,6 +43,7 @@ from kvdiag.router.reuse_rule import (
     Rung,
     TokenTrace,
 )
+from kvdiag.schema.errors import KVDiagError
 
 EvictionCallback = Callable[[str, int], None]  # (reason "capacity" | "ttl", count)
 # v1 (no "v"): params and a prompt digest only, read as a handle without coverage (never injected);
@@ -52,7 +53,7 @@ _READABLE_FORMATS: Final = (2, 3)
 MAX_TRACE_BYTES: Final = MAX_CHECKPOINTS * 8
 
 
-class StoreError(RuntimeError):
+class StoreError(KVDiagError, RuntimeError):
     """The store could not be reached or answered nonsense; the turn goes on without reuse."""
 
 

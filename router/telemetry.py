@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from kvdiag.exporters.jsonl import EventSink
 from kvdiag.exporters.prometheus import OTHER, CatalogMetrics
 from kvdiag.router.config import RouterConfig
-from kvdiag.router.proxylog import ProxyLog
+from kvdiag.router.proxy_log_writer import ProxyLog
 from kvdiag.router.turns import TurnState
 from kvdiag.schema.metrics import prompt_bucket, turn_bucket
 from kvdiag.schema.verdicts import Verdict

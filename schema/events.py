@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Final
 
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import TrimReason, Verdict
 
 SCHEMA_VERSION: Final = 1
@@ -43,7 +44,7 @@ STATUSES: Final = ("ok", "error", "aborted", "disconnected", "timeout", "hung")
 RELEASE_REASONS: Final = ("read", "expired", "evicted", "restart", "notify_only")
 
 
-class EventFormatError(ValueError):
+class EventFormatError(KVDiagError, ValueError):
     """A record does not follow the event schema; the message names the place and the fix."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None,

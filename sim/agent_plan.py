@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
+from kvdiag.schema.errors import KVDiagError
+
 AGENT_PROFILES: Final = ("coding-agent", "reasoning-chat", "parallel-tools", "sub-agents", "compaction", "edits")
 # Profiles meant for a reasoning deployment (P and D with --reasoning-parser); edits is for a plain model.
 REASONING_PROFILES: Final = frozenset(AGENT_PROFILES) - {"edits"}
@@ -55,7 +57,7 @@ TOOLS: Final[tuple[dict[str, Any], ...]] = tuple(
     ))
 
 
-class AgentSpecError(ValueError):
+class AgentSpecError(KVDiagError, ValueError):
     """An agent workload option the profiles cannot run with; the message names the option."""
 
 

@@ -34,6 +34,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.sim.tokenizer import message_text
 
 GENERATION_PROMPT: Final = "<|im_start|>assistant\n"
@@ -45,7 +46,7 @@ _TOOLS_FOOTER: Final = ("\n</tools>\n\nFor each function call, return a json obj
                         '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
 
 
-class TemplateError(ValueError):
+class TemplateError(KVDiagError, ValueError):
     """Messages or options the chat template cannot render (vLLM answers HTTP 400)."""
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvdiag.schema.errors import KVDiagError
+
 ROLES: Final = ("prefill", "decode")
 REASONING_PARSERS: Final = ("qwen3",)
 TOOL_CALL_PARSERS: Final = ("hermes",)
@@ -13,7 +15,7 @@ MODES: Final = ("stock", "instrumented")
 LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1")
 
 
-class ConfigError(ValueError):
+class EngineConfigError(KVDiagError, ValueError):
     """An engine option out of range; the message names the option and the fix."""
 
 
@@ -67,29 +69,29 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ConfigError(f"role {self.role!r}: use prefill or decode")
+            raise EngineConfigError(f"role {self.role!r}: use prefill or decode")
         if self.mode not in MODES:
-            raise ConfigError(f"--mode {self.mode!r}: use stock or instrumented")
+            raise EngineConfigError(f"--mode {self.mode!r}: use stock or instrumented")
         if self.block_size < 1 or self.num_blocks < 2:
-            raise ConfigError("--block-size must be >= 1 and --num-blocks >= 2")
+            raise EngineConfigError("--block-size must be >= 1 and --num-blocks >= 2")
         if self.time_scale < 0:
-            raise ConfigError("--time-scale must be >= 0 (0 disables the modelled sleeps)")
+            raise EngineConfigError("--time-scale must be >= 0 (0 disables the modelled sleeps)")
         if self.decoder_kv_blocks_ttl <= 0 or self.kv_lease_duration <= 0:
-            raise ConfigError("--decoder-kv-blocks-ttl and --kv-lease-duration must be > 0 seconds")
+            raise EngineConfigError("--decoder-kv-blocks-ttl and --kv-lease-duration must be > 0 seconds")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
-            raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}")
+            raise EngineConfigError(f"--reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-            raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r}: use {', '.join(TOOL_CALL_PARSERS)}")
+            raise EngineConfigError(f"--tool-call-parser {self.tool_call_parser!r}: use {', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM)")
+            raise EngineConfigError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM)")
         if self.reasoning_tokens is not None and not 0 <= self.reasoning_tokens <= 100_000:
-            raise ConfigError("--reasoning-tokens must be between 0 and 100000")
+            raise EngineConfigError("--reasoning-tokens must be between 0 and 100000")
         if self.tool_call_style not in ("compact", "template"):
-            raise ConfigError(f"--tool-call-style {self.tool_call_style!r}: use compact or template")
+            raise EngineConfigError(f"--tool-call-style {self.tool_call_style!r}: use compact or template")
         if self.reasoning_field not in REASONING_FIELDS:
-            raise ConfigError(f"--reasoning-field {self.reasoning_field!r}: use {' or '.join(REASONING_FIELDS)}")
+            raise EngineConfigError(f"--reasoning-field {self.reasoning_field!r}: use {' or '.join(REASONING_FIELDS)}")
         if self.max_model_len < 1:
-            raise ConfigError("--max-model-len must be a positive number of tokens")
+            raise EngineConfigError("--max-model-len must be a positive number of tokens")
         if self.kv_recompute_threshold is None:
             self.kv_recompute_threshold = 64 if self.bidirectional_kv_xfer else 0
 

@@ -25,15 +25,15 @@ from kvdiag.schema.prefill_outcome import PrefillView
 from kvdiag.schema.prefix_digest import DIGEST_KEY, make_digest
 from kvdiag.schema.request_ids import MAX_HEADER_ID, vllm_request_ids
 from kvdiag.schema.verdicts import Verdict
-from kvdiag.sim import vllm_log as vl
+from kvdiag.sim import vllm_log_writer as vl
 from kvdiag.sim.config import EngineConfig
+from kvdiag.sim.engine_metrics import VllmMetrics
 from kvdiag.sim.faults import Faults
 from kvdiag.sim.kvcache import BlockPool, Hold, OutOfBlocks, blocks_for, chain_hashes
-from kvdiag.sim.metrics import VllmMetrics
 from kvdiag.sim.model_output import OutputPlan, generate
 from kvdiag.sim.nixl import NixlClient, RemoteAgent
 from kvdiag.sim.remote_read import ReadResult, has_handle, pull
-from kvdiag.sim.stats import StatsLogger
+from kvdiag.sim.stat_log_writer import StatsLogger
 from kvdiag.sim.timemodel import get_profile
 
 _logger = logging.getLogger(__name__)

@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
+from kvdiag.schema.errors import KVDiagError
+
 # vLLM's failure_type values for a reader (docs/vllm-reference.md, log lines);
 # transfer_exception behaves as transfer_failed.
 FAILURE_TYPES: Final = ("handshake_setup_failed", "handshake_failed", "transfer_failed", "transfer_setup_failed",
@@ -22,7 +24,7 @@ FAILURE_TYPES: Final = ("handshake_setup_failed", "handshake_failed", "transfer_
 POLICIES: Final = ("fail", "recompute")
 
 
-class FaultError(ValueError):
+class FaultError(KVDiagError, ValueError):
     """A switch value that cannot be applied; the message names the key and the fix."""
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
-from kvdiag.sim.config import ConfigError, EngineConfig
+from kvdiag.sim.config import EngineConfig, EngineConfigError
 from kvdiag.sim.server import EngineHandle, start_engine
 
 MAX_ENGINES: Final = 64  # per role: a fleet in one process stays a testbed
@@ -41,10 +41,10 @@ class FleetSpec:
     events_dir: Path | None = None  # <role>-<i>-events.jsonl per engine (instrumented mode)
 
     def validate(self) -> None:
-        """Raise ConfigError naming the option."""
+        """Raise EngineConfigError naming the option."""
         for name, n in (("--prefill", self.prefill), ("--decode", self.decode)):
             if not 1 <= n <= MAX_ENGINES:
-                raise ConfigError(f"{name} {n}: a fleet runs 1..{MAX_ENGINES} engines per role")
+                raise EngineConfigError(f"{name} {n}: a fleet runs 1..{MAX_ENGINES} engines per role")
 
 
 @dataclass
@@ -94,7 +94,7 @@ async def start_fleet(prefill: EngineConfig, decode: EngineConfig, spec: FleetSp
     """Start ``spec.prefill`` engines from the prefill template and ``spec.decode`` from the decode one."""
     spec.validate()
     if prefill.role != "prefill" or decode.role != "decode":
-        raise ConfigError("start_fleet takes a prefill template, then a decode template")
+        raise EngineConfigError("start_fleet takes a prefill template, then a decode template")
     for directory in (spec.log_dir, spec.events_dir):
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)

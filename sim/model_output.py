@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.sim.chat_template import think_block, tool_call_text
 from kvdiag.sim.tokenizer import IM_END, generate_reply, random_words, reply_rng, tokenize
 
@@ -40,7 +41,7 @@ _MAX_HINT: Final = {"reasoning_tokens": 100_000, "content_tokens": 100_000, "too
 DEFAULT_TOOL_ARG_TOKENS: Final = 8
 
 
-class HintError(ValueError):
+class HintError(KVDiagError, ValueError):
     """A malformed ``kvdiag_sim`` request hint (HTTP 400 naming the field)."""
 
 

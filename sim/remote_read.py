@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kvdiag.schema.prefill_outcome import DECLINED_EXPIRED
 from kvdiag.schema.prefix_digest import DIGEST_KEY, DigestError, check_prefix
-from kvdiag.sim import vllm_log as vl
+from kvdiag.sim import vllm_log_writer as vl
 from kvdiag.sim.kvcache import blocks_for, chain_hashes
 from kvdiag.sim.nixl import NixlFailure, RemoteAgent
 

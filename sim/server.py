@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 
 from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
 from kvdiag.sim import openai_api as api
-from kvdiag.sim import vllm_log as vl
+from kvdiag.sim import vllm_log_writer as vl
 from kvdiag.sim.chat_request import ParsedRequest, parse_request
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.engine import Engine, KVLoadFailed, RequestFailed, RequestState

@@ -23,8 +23,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
+from kvdiag.schema.errors import KVDiagError
 
-class UnknownProfile(KeyError):
+
+class UnknownProfile(KVDiagError, KeyError):
     """No profile of that name."""
 
 

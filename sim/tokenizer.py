@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, Final
 
+from kvdiag.schema.errors import KVDiagError
+
 _CONSONANTS: Final = "bdfgklmnprstvz"
 _VOWELS: Final = "aeiou"
 
@@ -54,7 +56,7 @@ _PIECE_RE: Final = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?(?:[^\s\w]|_)+|\s+(?!\S)
 _SPECIAL_RE: Final = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 
-class TokenizerError(ValueError):
+class TokenizerError(KVDiagError, ValueError):
     """A token id that this tokenizer never produces."""
 
 

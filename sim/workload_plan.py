@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.sim.tokenizer import vocab_words
 
 GAP_DISTRIBUTIONS: Final = ("exp", "uniform", "fixed")
@@ -28,7 +29,7 @@ MAX_REPLY_TOKENS: Final = 8_192
 MAX_GAP_S: Final = 3_600.0
 
 
-class WorkloadConfigError(ValueError):
+class WorkloadConfigError(KVDiagError, ValueError):
     """An option value the workload cannot run with; the message names the option and the fix."""
 
 

@@ -136,8 +136,8 @@ async def test_the_oracle_reads_d_s_held_blocks(tmp_path: Path) -> None:
     import aiohttp
 
     from kvdiag.sim.config import EngineConfig
+    from kvdiag.sim.pd_driver import run_turn
     from kvdiag.sim.server import start_engine
-    from kvdiag.sim.testbed import run_turn
 
     p = await start_engine(EngineConfig(role="prefill", time_scale=0.0, prefix_caching=False))
     d = await start_engine(EngineConfig(role="decode", time_scale=0.0))

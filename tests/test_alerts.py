@@ -16,10 +16,10 @@ import yaml
 from click.testing import CliRunner
 
 from kvdiag.alerts import build
-from kvdiag.alerts.rules import alert_rules, rule_file
+from kvdiag.alerts.alert_rules import alert_rules, rule_file
 from kvdiag.cli.main import cli
-from kvdiag.dashboards.config import DEFAULT_CONFIG
 from kvdiag.dashboards.promql import bare_counter_selectors, unknown_metric_names
+from kvdiag.monitoring.config import DEFAULT_CONFIG
 from kvdiag.schema.metrics import all_exposed_names
 
 REPO = Path(__file__).resolve().parents[1]

@@ -43,7 +43,9 @@ def test_healthy_real_vllm_testbed_passes(tmp_path: Path) -> None:
     assert code == 0 and not failed, json.dumps(failed, indent=1)
     assert "32-token" in checks["block_size"]["detail"]
     measured = float(re.search(r"measured ([0-9.]+) s", checks["decode_ttl"]["detail"]).group(1))  # type: ignore[union-attr]
-    assert 478.0 < measured <= 480.0
+    # D's clock is read within one side-channel round trip: on a loaded machine the figure may pass the true
+    # 480 s by that much (tens of ms), never by seconds.
+    assert 478.0 < measured <= 480.5
     assert any("zmq handshake" in e for e in checks["decode_ttl"]["evidence"])  # vLLM's own side channel
     assert checks["prefix_caching_prefill"]["detail"].startswith("off")   # the testbed runs P without it
     assert any("vllm:nixl_xfer_time_seconds_count +1" in e for e in checks["d2p_read"]["evidence"])

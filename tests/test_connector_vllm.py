@@ -264,8 +264,8 @@ async def _sim_two_turns(tmp: Path) -> list[TurnEvent]:
     import aiohttp
 
     from kvdiag.sim.config import EngineConfig
+    from kvdiag.sim.pd_driver import run_turn
     from kvdiag.sim.server import start_engine
-    from kvdiag.sim.testbed import run_turn
     from kvdiag.sim.tokenizer import generate_text
 
     handles = [await start_engine(EngineConfig(role=role, time_scale=0.0, mode="instrumented", prefix_caching=False,

@@ -17,7 +17,6 @@ from click.testing import CliRunner
 
 from kvdiag.cli.main import cli
 from kvdiag.dashboards import build
-from kvdiag.dashboards.config import DEFAULT_CONFIG, ConfigError, MixinConfig
 from kvdiag.dashboards.promql import (
     PromQLError,
     bare_counter_selectors,
@@ -25,6 +24,7 @@ from kvdiag.dashboards.promql import (
     unknown_metric_names,
 )
 from kvdiag.dashboards.vllm_metrics import vllm_exposed_names
+from kvdiag.monitoring.config import DEFAULT_CONFIG, MixinConfig, MonitoringConfigError
 from kvdiag.schema.metrics import all_exposed_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,11 +157,11 @@ def test_unknown_metric_names_catches_typos_and_unparsable_queries() -> None:
 
 
 def test_config_rejects_missing_or_malformed_values() -> None:
-    with pytest.raises(ConfigError, match="router_selector must not be empty"):
+    with pytest.raises(MonitoringConfigError, match="router_selector must not be empty"):
         MixinConfig(router_selector="", vllm_selector='job="vllm"', runbook_base_url="http://x")
-    with pytest.raises(ConfigError, match="without braces"):
+    with pytest.raises(MonitoringConfigError, match="without braces"):
         MixinConfig(router_selector='{job="r"}', vllm_selector='job="vllm"', runbook_base_url="http://x")
-    with pytest.raises(ConfigError, match="rate_window"):
+    with pytest.raises(MonitoringConfigError, match="rate_window"):
         MixinConfig(router_selector='job="r"', vllm_selector='job="v"', runbook_base_url="u", rate_window="ten")
     with pytest.raises(TypeError):
         MixinConfig()  # type: ignore[call-arg]

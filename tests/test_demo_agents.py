@@ -15,8 +15,8 @@ from kvdiag.schema.events import TurnEvent, read_events
 from kvdiag.sim.agent_plan import TOOLS, Step
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.engine import Engine, RequestState
+from kvdiag.sim.pd_driver import run_turn
 from kvdiag.sim.server import start_engine
-from kvdiag.sim.testbed import run_turn
 from kvdiag.sim.timemodel import get_profile
 from kvdiag.sim.tokenizer import generate_text
 

@@ -30,7 +30,7 @@ import pytest
 
 from kvdiag.demo.processes import Component
 from kvdiag.demo.scenarios import admin_post
-from kvdiag.sim.testbed import read_sse
+from kvdiag.sim.pd_driver import read_sse
 
 MODEL = "Qwen/Qwen3-8B"
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

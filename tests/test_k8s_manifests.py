@@ -28,12 +28,13 @@ import yaml
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
-from kvdiag.alerts.export_k8s import prometheus_rule, rule_groups
-from kvdiag.alerts.rules import alert_rules, rule_file
+from kvdiag.alerts.alert_rules import alert_rules, rule_file
+from kvdiag.alerts.prometheus_rule import prometheus_rule, rule_groups
 from kvdiag.cli.main import cli
 from kvdiag.dashboards import build
-from kvdiag.dashboards.config import DEFAULT_CONFIG, ConfigError
-from kvdiag.dashboards.export_k8s import APPLY_ANNOTATION_LIMIT_BYTES, configmaps, parse_labels
+from kvdiag.dashboards.configmaps import APPLY_ANNOTATION_LIMIT_BYTES, configmaps
+from kvdiag.monitoring.config import DEFAULT_CONFIG, MonitoringConfigError
+from kvdiag.monitoring.k8s_objects import parse_labels
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((REPO / "tests" / "k8s_schemas" / "kubernetes.schema.json").read_text())
@@ -138,7 +139,7 @@ def test_export_options_are_validated_before_writing(tmp_path: Path) -> None:
                                           "--runbook-base-url", RUNBOOK_URL, *bad])
         assert result.exit_code == 1 and phrase in result.output, result.output
     assert not out.exists()
-    with pytest.raises(ConfigError):
+    with pytest.raises(MonitoringConfigError):
         parse_labels(["grafana_dashboard=not ok"])
 
 

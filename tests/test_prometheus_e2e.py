@@ -10,7 +10,7 @@ Two tests, both against the real ``prometheus`` binary on loopback:
   return data, and the expired-read alert must go pending -> firing.
 
 Test-only rules: the production rules use 10 m windows and 10-15 m ``for:``. The test renders the
-*same* rule functions (kvdiag.alerts.rules) with a MixinConfig whose windows are 30 s, ``for:`` 5 s
+*same* rule functions (kvdiag.alerts.alert_rules) with a MixinConfig whose windows are 30 s, ``for:`` 5 s
 and rate floors 0 (:func:`fast_rule_config`); thresholds, expressions and annotations are unchanged.
 """
 
@@ -28,11 +28,11 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_server import PrometheusServer
 
-from kvdiag.alerts.rules import rule_file
+from kvdiag.alerts.alert_rules import rule_file
 from kvdiag.dashboards import build
-from kvdiag.dashboards.config import DEFAULT_CONFIG, MixinConfig
 from kvdiag.dashboards.promql import expand_template_vars
 from kvdiag.exporters.prometheus import CatalogMetrics
+from kvdiag.monitoring.config import DEFAULT_CONFIG, MixinConfig
 
 ALERT = "KVDiagExpiredRemoteReadRatioHigh"
 MODEL = "Qwen/Qwen3-32B"

@@ -24,7 +24,7 @@ from kvdiag.exporters.prometheus import CatalogMetrics
 from kvdiag.router import reuse as router_reuse
 from kvdiag.router import reuse_rule
 from kvdiag.router.app import RouterHandle, start_router
-from kvdiag.router.config import ConfigError, RouterConfig, Upstream
+from kvdiag.router.config import RouterConfig, RouterConfigError, Upstream
 from kvdiag.router.placement import (
     REASON_AFFINITY,
     REASON_BRANCH,
@@ -209,7 +209,7 @@ def test_config_rejects_bad_placement_options() -> None:
     for kw, word in (({"policy": "random"}, "--policy"), ({"load_factor": 0.5}, "--load-factor"),
                      ({"eject_after": -1}, "--eject-after"), ({"eject_seconds": 0}, "--eject-seconds"),
                      ({"health_check_interval": -1}, "--health-check-interval")):
-        with pytest.raises(ConfigError, match=word):
+        with pytest.raises(RouterConfigError, match=word):
             _config(**kw)
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvdiag.router.config import ConfigError, RouterConfig, Upstream
+from kvdiag.router.config import RouterConfig, RouterConfigError, Upstream
 from kvdiag.router.reuse_rule import Decision, Reuse
 from kvdiag.router.security import ANONYMOUS_TENANT, earlier_turns, hash_conversation_id, store_key, tenant_of
 from kvdiag.router.sse import SSECapture
@@ -140,14 +140,14 @@ def test_earlier_turns_counts_assistant_messages() -> None:
 
 def test_config_refuses_router_ttl_at_or_above_decoder_ttl() -> None:
     ups = (Upstream("127.0.0.1", 8100),)
-    with pytest.raises(ConfigError, match=r"must be below decoder_kv_blocks_ttl \(480s\).*released blocks"):
+    with pytest.raises(RouterConfigError, match=r"must be below decoder_kv_blocks_ttl \(480s\).*released blocks"):
         RouterConfig(prefill=ups, decode=ups, entry_ttl=480).validate()
     cfg = RouterConfig(prefill=ups, decode=ups).validate()
     assert cfg.handle_ttl == 450
     assert RouterConfig(prefill=ups, decode=ups, decoder_kv_blocks_ttl=10).handle_ttl == 5
-    with pytest.raises(ConfigError, match="--state"):
+    with pytest.raises(RouterConfigError, match="--state"):
         RouterConfig(prefill=ups, decode=ups, state="mysql://x").validate()
-    with pytest.raises(ConfigError, match="prefiller"):
+    with pytest.raises(RouterConfigError, match="prefiller"):
         RouterConfig(prefill=(), decode=ups).validate()
 
 

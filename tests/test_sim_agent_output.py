@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from kvdiag.sim.config import EngineConfig
+from kvdiag.sim.pd_driver import read_sse
 from kvdiag.sim.server import EngineHandle, start_engine
-from kvdiag.sim.testbed import read_sse
 from kvdiag.sim.tokenizer import THINK_START, detokenize, render_chat, tokenize
 
 Factory = Callable[..., Awaitable[EngineHandle]]

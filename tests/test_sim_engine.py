@@ -14,8 +14,8 @@ import pytest
 
 from kvdiag.schema.events import PrefillReport, TurnEvent, read_events
 from kvdiag.sim.config import EngineConfig
+from kvdiag.sim.pd_driver import TurnResult, run_turn
 from kvdiag.sim.server import EngineHandle, start_engine
-from kvdiag.sim.testbed import TurnResult, run_turn
 from kvdiag.sim.tokenizer import generate_text
 
 Factory = Callable[..., Awaitable[EngineHandle]]

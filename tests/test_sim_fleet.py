@@ -1,7 +1,7 @@
 """The emulated xPyD fleet (kvdiag.sim.fleet, ``kvdiag sim fleet``) and the bounded fleet benchmark.
 
 The fleet's engines are real emulated engines on loopback; D's local hit on the P->D pull is checked
-with the minimal P/D driver (kvdiag.sim.testbed), and the benchmark (benchmarks/fleet_bench.py) runs
+with the minimal P/D driver (kvdiag.sim.pd_driver), and the benchmark (benchmarks/fleet_bench.py) runs
 round-robin against kv-aware placement at a small size, at time scale 0, on the modelled figures.
 """
 
@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 from router_support import wait_for
 
-from kvdiag.sim.config import ConfigError, EngineConfig
+from kvdiag.sim.config import EngineConfig, EngineConfigError
 from kvdiag.sim.fleet import FleetSpec, engine_config, start_fleet
-from kvdiag.sim.testbed import run_turn
+from kvdiag.sim.pd_driver import run_turn
 from kvdiag.sim.timemodel import get_profile
 from kvdiag.sim.workload_plan import synthetic_text
 
@@ -68,9 +68,9 @@ async def test_a_fleet_is_distinct_engines_and_the_router_options_name_them(tmp_
 
 
 def test_fleet_options_are_checked() -> None:
-    with pytest.raises(ConfigError, match="--prefill 0"):
+    with pytest.raises(EngineConfigError, match="--prefill 0"):
         FleetSpec(prefill=0).validate()
-    with pytest.raises(ConfigError, match="--decode 65"):
+    with pytest.raises(EngineConfigError, match="--decode 65"):
         FleetSpec(decode=65).validate()
     stock = engine_config(EngineConfig(role="decode"), FleetSpec(events_dir=Path("/x")), 1)
     assert stock.events_file is None  # stock mode writes no events

@@ -24,8 +24,8 @@ import aiohttp
 import pytest
 
 from kvdiag.sim.config import EngineConfig
+from kvdiag.sim.pd_driver import TurnResult, run_turn
 from kvdiag.sim.server import EngineHandle, start_engine
-from kvdiag.sim.testbed import TurnResult, run_turn
 from kvdiag.sim.tokenizer import generate_text
 
 Factory = Callable[..., Awaitable[EngineHandle]]

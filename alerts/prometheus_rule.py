@@ -18,9 +18,9 @@ from typing import Any, Final
 
 import yaml
 
-from kvdiag.alerts.rules import rule_file
-from kvdiag.dashboards.config import MixinConfig
-from kvdiag.dashboards.export_k8s import object_meta
+from kvdiag.alerts.alert_rules import rule_file
+from kvdiag.monitoring.config import MixinConfig
+from kvdiag.monitoring.k8s_objects import object_meta
 
 API_VERSION: Final = "monitoring.coreos.com/v1"
 KIND: Final = "PrometheusRule"

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from kvdiag.sim import vllm_log as vl
+from kvdiag.sim import vllm_log_writer as vl
 
 if TYPE_CHECKING:
     from kvdiag.sim.engine import Engine

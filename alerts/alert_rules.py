@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvdiag.dashboards.config import ELIGIBLE_OUTCOMES_RE, MixinConfig
+from kvdiag.monitoring.config import ELIGIBLE_OUTCOMES_RE, MixinConfig
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, FIXABLE_TRIM_REASONS, Verdict
 
 Severity = Literal["critical", "warning", "info"]

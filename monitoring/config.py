@@ -1,4 +1,4 @@
-"""Every knob of the kvdiag dashboards and alert rules, in one frozen config.
+"""Every knob of the kvdiag dashboards and alert rules, in one frozen config both import.
 
 The selectors, windows and thresholds live here and nowhere else: queries, panels and rules are
 functions of a :class:`MixinConfig`. Required fields (the two job selectors and the runbook base
@@ -16,13 +16,15 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS
 
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d))+$")
 
 
-class ConfigError(ValueError):
-    """A MixinConfig value is invalid; the message names the field and the fix."""
+class MonitoringConfigError(KVDiagError, ValueError):
+    """A dashboards/alerts setting is invalid (a MixinConfig field, a Kubernetes name or label); the message
+    names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -57,24 +59,24 @@ class MixinConfig:
     def __post_init__(self) -> None:
         for name in ("router_selector", "vllm_selector", "runbook_base_url"):
             if not getattr(self, name).strip():
-                raise ConfigError(f"MixinConfig.{name} must not be empty; pass e.g. "
+                raise MonitoringConfigError(f"MixinConfig.{name} must not be empty; pass e.g. "
                                   f"{_EXAMPLES[name]!r}")
         for name in ("router_selector", "vllm_selector"):
             value = getattr(self, name)
             if "{" in value or "}" in value:
-                raise ConfigError(f"MixinConfig.{name}={value!r}: give the matchers without braces, "
+                raise MonitoringConfigError(f"MixinConfig.{name}={value!r}: give the matchers without braces, "
                                   f"e.g. {_EXAMPLES[name]!r}")
         for name in ("rate_window", "for_ratio", "for_silent", "for_config"):
             if not _DURATION.match(getattr(self, name)):
-                raise ConfigError(f"MixinConfig.{name}={getattr(self, name)!r} is not a Prometheus duration "
+                raise MonitoringConfigError(f"MixinConfig.{name}={getattr(self, name)!r} is not a Prometheus duration "
                                   "(e.g. '10m', '30s')")
         for name in ("expired_read_ratio_warning", "missing_metadata_ratio_warning",
                      "transfer_failure_ratio_warning", "store_fill_ratio_warning"):
             if not 0.0 < getattr(self, name) < 1.0:
-                raise ConfigError(f"MixinConfig.{name}={getattr(self, name)!r} must be a ratio in (0, 1)")
+                raise MonitoringConfigError(f"MixinConfig.{name}={getattr(self, name)!r} must be a ratio in (0, 1)")
         for name in ("min_eligible_turn_rate", "min_remote_read_rate", "ttl_margin_seconds"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"MixinConfig.{name} must be >= 0")
+                raise MonitoringConfigError(f"MixinConfig.{name} must be >= 0")
 
     def dashboard_uid(self, file_stem: str) -> str:
         """Stable UID from the dashboard's file name, as the kubernetes-mixin derives it with md5."""

@@ -1,0 +1,1 @@
+"""Internal: what the dashboards and the alert rules share, their one config and the Kubernetes object metadata."""
