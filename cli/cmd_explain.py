@@ -12,16 +12,16 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-from kvdiag.diagnostics.explain import (
+from kvdiag.diagnostics.html_timeline import render_conversations_html
+from kvdiag.diagnostics.records import TurnRecord
+from kvdiag.diagnostics.terminal import explain_all_renderables, explain_renderables
+from kvdiag.diagnostics.turn_loader import (
     ConversationNotFoundError,
     LineStats,
     UnreadableLogError,
     explain_conversation,
     load_turns,
 )
-from kvdiag.diagnostics.html_timeline import render_conversations_html
-from kvdiag.diagnostics.records import TurnRecord
-from kvdiag.diagnostics.terminal import explain_all_renderables, explain_renderables
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024  # a bar only when the run is long enough to need one
 

@@ -20,7 +20,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "demo": "cmd_demo",
     "explain": "cmd_explain",
     "report": "cmd_report",
-    "advise": "cmd_report",
+    "advise": "cmd_advise",
     "dashboards": "cmd_dashboards",
     "alerts": "cmd_alerts",
     "check": "cmd_check",

@@ -3,7 +3,7 @@
 Entry points: :func:`load_turns` (every conversation) and :func:`explain_conversation` (one).
 """
 
-from kvdiag.diagnostics.explain import (
+from kvdiag.diagnostics.turn_loader import (
     ConversationNotFoundError,
     ExplainError,
     UnreadableLogError,

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from kvdiag.diagnostics.detect import detect, expand_paths, role_hint
+from kvdiag.diagnostics.report_cache import cache_key
 from kvdiag.diagnostics.scan import grep_lines, grep_regex
 from kvdiag.diagnostics.sources import StagedInputs
-from kvdiag.exporters.parquet import cache_key
 
 Role = Literal["prefill", "decode", "router", "client", "unknown"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
 
-from kvdiag.diagnostics.proxy_log import is_proxy_line
-from kvdiag.diagnostics.vllm_log import ANSI_RE, HEADER_RE
+from kvdiag.diagnostics.proxy_log_parser import is_proxy_line
+from kvdiag.diagnostics.vllm_log_parser import ANSI_RE, HEADER_RE
 from kvdiag.schema.errors import KVDiagError
 
 SNIFF_BYTES: Final = 64 * 1024

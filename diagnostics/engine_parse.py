@@ -26,11 +26,12 @@ from typing import Final
 import duckdb
 import pyarrow as pa
 
-from kvdiag.diagnostics import proxy_log, vllm_log
+from kvdiag.diagnostics import proxy_log_parser as proxy_log
+from kvdiag.diagnostics import vllm_log_parser as vllm_log
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
-from kvdiag.diagnostics.proxy_log import CLASSIFIERS as PROXY_CLASSIFIERS
-from kvdiag.diagnostics.proxy_log import PROXY_RE
+from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS as PROXY_CLASSIFIERS
+from kvdiag.diagnostics.proxy_log_parser import PROXY_RE
 from kvdiag.schema.events import (
     EVENTS_BY_SOURCE,
     FIELD_NAMES,

@@ -11,10 +11,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError
-from kvdiag.diagnostics.engine import Run, apply_windows
 from kvdiag.diagnostics.json_logs import EventRecord
-from kvdiag.diagnostics.proxy_log import ProxyRecord, parse_proxy_numbered, wall_clock
-from kvdiag.diagnostics.vllm_log import VllmRecord, parse_vllm_numbered
+from kvdiag.diagnostics.proxy_log_parser import ProxyRecord, parse_proxy_numbered, wall_clock
+from kvdiag.diagnostics.verdict_engine import Run, apply_windows
+from kvdiag.diagnostics.vllm_log_parser import VllmRecord, parse_vllm_numbered
 from kvdiag.diagnostics.window_load import _periodic, _probe, ledger_for_conversation, ledger_for_index
 from kvdiag.diagnostics.windows import Ledger, LogIndex
 from kvdiag.schema.events import TurnEvent

@@ -19,12 +19,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvdiag.diagnostics import report_cache
 from kvdiag.diagnostics.detect import LogReadError, detect
-from kvdiag.diagnostics.explain import UnreadableLogError, run_all
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report_trims import TrimSummary, trim_summary
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
-from kvdiag.exporters import parquet
+from kvdiag.diagnostics.turn_loader import UnreadableLogError, run_all
 from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.metrics import _PROMPT_EDGES, MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
@@ -386,7 +386,7 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
             raise ReportError("--events-only: no kvdiag event files among the inputs")
         key = sorted({staged.origin.get(f, f) for f in files})
     if cache_dir is not None:
-        cached = parquet.load_cached_table(key, cache_dir, TABLE_VERSION)
+        cached = report_cache.load_cached_table(key, cache_dir, TABLE_VERSION)
         if cached is not None:
             return normalize_table(cached)
     if not events_only:
@@ -395,7 +395,7 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
     if staged.renamed and len(df):
         df["reason"] = [staged.display(r) for r in df["reason"]]
     if cache_dir is not None:
-        parquet.store_cached_table(df, key, cache_dir, TABLE_VERSION)
+        report_cache.store_cached_table(df, key, cache_dir, TABLE_VERSION)
     return df
 
 
@@ -436,7 +436,7 @@ def write_outputs(report: Report, *, csv: Path | None = None, parquet_path: Path
         report.table.to_csv(csv, index=False)
         written.append(csv)
     if parquet_path is not None:
-        parquet.write_table(report.table, parquet_path)
+        report_cache.write_table(report.table, parquet_path)
         written.append(parquet_path)
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_json_dict(), indent=2) + "\n", encoding="utf-8")

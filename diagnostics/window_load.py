@@ -15,9 +15,9 @@ from typing import Final
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.proxy_log import PROXY_RE, parse_proxy_numbered, wall_clock
+from kvdiag.diagnostics.proxy_log_parser import PROXY_RE, parse_proxy_numbered, wall_clock
 from kvdiag.diagnostics.scan import grep_ere, grep_lines, head_lines
-from kvdiag.diagnostics.vllm_log import parse_vllm_numbered
+from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 from kvdiag.diagnostics.windows import (
     LEAD_S,
     MAX_BLOCK,

@@ -30,7 +30,7 @@ from kvdiag.sim.kvcache import blocks_for, chain_hashes
 from kvdiag.sim.nixl import NixlFailure, RemoteAgent
 
 if TYPE_CHECKING:
-    from kvdiag.sim.engine import Engine, RequestState
+    from kvdiag.sim.emulated_engine import Engine, RequestState
 
 _MAX_REMOTE_BLOCKS: Final = 1 << 20
 _REQUIRED: Final = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")

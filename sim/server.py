@@ -26,7 +26,7 @@ from kvdiag.sim import openai_api as api
 from kvdiag.sim import vllm_log_writer as vl
 from kvdiag.sim.chat_request import ParsedRequest, parse_request
 from kvdiag.sim.config import EngineConfig
-from kvdiag.sim.engine import Engine, KVLoadFailed, RequestFailed, RequestState
+from kvdiag.sim.emulated_engine import Engine, KVLoadFailed, RequestFailed, RequestState
 from kvdiag.sim.nixl import side_channel_app
 from kvdiag.sim.output_parser import StreamParser, count_reasoning_tokens, parse_full
 from kvdiag.sim.tokenize_api import detokenize_response, tokenize_response

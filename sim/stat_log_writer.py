@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvdiag.sim import vllm_log_writer as vl
 
 if TYPE_CHECKING:
-    from kvdiag.sim.engine import Engine
+    from kvdiag.sim.emulated_engine import Engine
 
 
 def _p90(values: list[float]) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvdiag.diagnostics.vllm_log import parse_vllm_log
+from kvdiag.diagnostics.vllm_log_parser import parse_vllm_log
 from kvdiag.schema.events import PrefillReport, TurnEvent, read_events
 
 pytestmark = pytest.mark.vllm
@@ -246,7 +246,7 @@ def test_metrics_appear_through_vllms_own_connector_hooks(run: dict[str, Any]) -
     # NIXL's own series are untouched
     assert f"vllm:nixl_bytes_transferred_count{{{labels}}} 1.0" in p["metrics"]
     # vLLM's stat log line is exactly NIXL's: one per payload with transfers, none for kvdiag-only payloads
-    from kvdiag.diagnostics.vllm_log import classify_message
+    from kvdiag.diagnostics.vllm_log_parser import classify_message
 
     assert len(p["stat_lines"]) == 1
     kind, fields = classify_message(p["stat_lines"][0])

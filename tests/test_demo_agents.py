@@ -14,7 +14,7 @@ from kvdiag.demo.agent_summary import modelled_ttft_ms, summarize_agents
 from kvdiag.schema.events import TurnEvent, read_events
 from kvdiag.sim.agent_plan import TOOLS, Step
 from kvdiag.sim.config import EngineConfig
-from kvdiag.sim.engine import Engine, RequestState
+from kvdiag.sim.emulated_engine import Engine, RequestState
 from kvdiag.sim.pd_driver import run_turn
 from kvdiag.sim.server import start_engine
 from kvdiag.sim.timemodel import get_profile

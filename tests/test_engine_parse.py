@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.proxy_log import parse_proxy_numbered
-from kvdiag.diagnostics.vllm_log import parse_vllm_numbered
+from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
+from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "logs"

@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from kvdiag.cli.main import cli
 from kvdiag.diagnostics.detect import sniff_format
-from kvdiag.diagnostics.explain import explain_conversation, load_turns
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
+from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 REAL = FIXTURES / "real_vllm_0.33"

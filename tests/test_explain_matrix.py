@@ -25,9 +25,9 @@ import pytest
 
 from kvdiag.demo.processes import Component
 from kvdiag.demo.scenarios import DemoTimings, admin_post, phase1_plans
-from kvdiag.diagnostics.explain import explain_conversation, load_turns
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import build_turn_table, load_turn_table
+from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns
 from kvdiag.schema.verdicts import Confidence, Verdict
 from kvdiag.sim.workload import ClientLogWriter, WorkloadRunner, write_request_stats
 from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig

@@ -34,8 +34,8 @@ from click.testing import CliRunner
 from vllm_harness.testbed import real_vllm_testbed
 
 from kvdiag.cli.main import cli
-from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
+from kvdiag.diagnostics.turn_loader import load_turns
 from kvdiag.schema.events import TurnEvent, read_events
 from kvdiag.schema.verdicts import Confidence
 from kvdiag.sim.workload import run_workload

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.diagnostics.explain import load_turns
+from kvdiag.diagnostics.turn_loader import load_turns
 
 FIXTURE = Path(__file__).parent / "fixtures" / "logs" / "real_vllm_batch_failure"
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvdiag.cli.main import cli
-from kvdiag.diagnostics.explain import (
+from kvdiag.diagnostics.turn_loader import (
     ConversationNotFoundError,
     UnreadableLogError,
     explain_conversation,

@@ -21,9 +21,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvdiag.cli.main import cli
-from kvdiag.diagnostics.explain import explain_conversation, load_turns
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.vllm_log import classify_message
+from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns
+from kvdiag.diagnostics.vllm_log_parser import classify_message
 from kvdiag.diagnostics.windows import vllm_wall_clock
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvdiag.demo.processes import Component
-from kvdiag.diagnostics.explain import load_turns
+from kvdiag.diagnostics.turn_loader import load_turns
 from kvdiag.sim.workload import run_workload
 from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig
 

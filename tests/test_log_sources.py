@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvdiag.diagnostics.container_logs import Wrapper, sniff_wrapper
-from kvdiag.diagnostics.explain import UnreadableLogError, load_turns
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.sources import stage_inputs
+from kvdiag.diagnostics.turn_loader import UnreadableLogError, load_turns
 
 TS = b"2026-11-20T10:00:00.123456789Z"
 VLLM = b"(APIServer pid=7) INFO 11-20 10:00:00 [loggers.py:1] Engine 000: Avg prompt throughput: 1.0 tokens/s"

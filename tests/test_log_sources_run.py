@@ -30,10 +30,10 @@ from click.testing import CliRunner
 
 from kvdiag.cli.main import cli
 from kvdiag.demo.run import run_demo
-from kvdiag.diagnostics.explain import UnreadableLogError, explain_conversation, load_turns
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import build_report, load_turn_table
+from kvdiag.diagnostics.turn_loader import UnreadableLogError, explain_conversation, load_turns
 
 TS = "2026-11-20T10:00:{:02d}.{:09d}Z"
 PARTIAL = 120  # lines longer than this are cut into CRI partial pieces (kubelet cuts at 16 KiB)

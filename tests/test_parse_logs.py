@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvdiag.diagnostics.detect import LogReadError, detect, expand_paths, sniff_format
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_document, parse_json_lines
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
-from kvdiag.diagnostics.proxy_log import parse_proxy_log
-from kvdiag.diagnostics.vllm_log import parse_vllm_log
+from kvdiag.diagnostics.proxy_log_parser import parse_proxy_log
+from kvdiag.diagnostics.vllm_log_parser import parse_vllm_log
 from kvdiag.schema.events import TurnEvent
 
 STOCK = Path(__file__).parent / "fixtures" / "logs" / "stock_run"
@@ -148,7 +148,7 @@ def test_prefilter_system_grep_and_python_fallback_agree(tmp_path: Path, monkeyp
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=4000), st.sampled_from(["prefill.log", "proxy.log", "ev.jsonl", "stats.json", "x.gz"]))
 def test_fuzz_whole_pipeline_on_garbage_files(tmp_path: Path, data: bytes, name: str) -> None:
-    from kvdiag.diagnostics.explain import UnreadableLogError, load_turns
+    from kvdiag.diagnostics.turn_loader import UnreadableLogError, load_turns
 
     real = (Path(__file__).parent / "fixtures" / "logs" / "vllm_real_lines.log").read_bytes()
     path = tmp_path / name

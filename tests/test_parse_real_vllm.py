@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.diagnostics.explain import explain_conversation
-from kvdiag.diagnostics.vllm_log import VllmRecord, parse_vllm_log
+from kvdiag.diagnostics.turn_loader import explain_conversation
+from kvdiag.diagnostics.vllm_log_parser import VllmRecord, parse_vllm_log
 from kvdiag.schema.verdicts import Confidence, Verdict
 
 REAL = Path(__file__).parent / "fixtures" / "logs" / "real_vllm_0.33"
@@ -138,7 +138,7 @@ def test_nixl_stats_semantics_of_the_installed_vllm() -> None:
     import sys
 
     from kvdiag.dashboards.vllm_metrics import VLLM_METRICS
-    from kvdiag.diagnostics.vllm_log import classify_message
+    from kvdiag.diagnostics.vllm_log_parser import classify_message
     from kvdiag.diagnostics.windows import _successes
 
     out = subprocess.run([sys.executable, "-c", _NIXL_STATS_PROBE], capture_output=True, text=True, timeout=300,

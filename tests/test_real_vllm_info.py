@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from vllm_harness.testbed import real_vllm_testbed
 
-from kvdiag.diagnostics.explain import load_turns
+from kvdiag.diagnostics.turn_loader import load_turns
 from kvdiag.schema.events import read_events
 from kvdiag.sim.workload import run_workload
 from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig

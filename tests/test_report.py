@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from kvdiag.cli.main import cli
 from kvdiag.diagnostics import report as report_mod
+from kvdiag.diagnostics import report_cache
 from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
 from kvdiag.diagnostics.report import (
     ReportError,
@@ -23,7 +24,6 @@ from kvdiag.diagnostics.report import (
     ttft_by_bucket,
 )
 from kvdiag.diagnostics.report_synth import SynthParams, synthetic_conversations, write_router_events
-from kvdiag.exporters import parquet
 from kvdiag.schema.verdicts import Verdict
 
 
@@ -109,18 +109,18 @@ def test_parquet_cache_hits_and_misses_on_change(tmp_path: Path) -> None:
     log.write_text("{}\n")
     cache = tmp_path / "cache"
     df = build_turn_table(_small())
-    assert parquet.load_cached_table([log], cache, 1) is None
-    stored = parquet.store_cached_table(df, [log], cache, 1)
+    assert report_cache.load_cached_table([log], cache, 1) is None
+    stored = report_cache.store_cached_table(df, [log], cache, 1)
     assert stored is not None and stored.exists()
-    back = parquet.load_cached_table([log], cache, 1)
+    back = report_cache.load_cached_table([log], cache, 1)
     assert back is not None
     pd.testing.assert_frame_equal(report_mod.normalize_table(back), df)
-    assert parquet.load_cached_table([log], cache, 2) is None  # table version is part of the key
+    assert report_cache.load_cached_table([log], cache, 2) is None  # table version is part of the key
     os.utime(log, ns=(0, 10**9))
-    assert parquet.load_cached_table([log], cache, 1) is None  # mtime changed: miss
-    parquet.store_cached_table(df, [log], cache, 1)
-    parquet.cache_path([log], cache, 1).write_bytes(b"not parquet")
-    assert parquet.load_cached_table([log], cache, 1) is None  # torn cache file: a miss, not a crash
+    assert report_cache.load_cached_table([log], cache, 1) is None  # mtime changed: miss
+    report_cache.store_cached_table(df, [log], cache, 1)
+    report_cache.cache_path([log], cache, 1).write_bytes(b"not parquet")
+    assert report_cache.load_cached_table([log], cache, 1) is None  # torn cache file: a miss, not a crash
 
 
 @pytest.fixture()

@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 
 from kvdiag.diagnostics.conversation_ids import id_tags
-from kvdiag.diagnostics.explain import load_turns
 from kvdiag.diagnostics.report import ReportError, build_turn_table, load_turn_table, normalize_table
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
+from kvdiag.diagnostics.turn_loader import load_turns
 from kvdiag.schema.verdicts import Verdict
 
 KEY = ["conversation_id", "turn"]

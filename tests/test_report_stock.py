@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvdiag.diagnostics import engine_parse
-from kvdiag.diagnostics.explain import load_turns
-from kvdiag.diagnostics.proxy_log import parse_proxy_log
+from kvdiag.diagnostics.proxy_log_parser import parse_proxy_log
 from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
+from kvdiag.diagnostics.turn_loader import load_turns
 
 KEY = ["conversation_id", "turn"]
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,11 +18,11 @@ import pandas as pd
 import pytest
 
 from kvdiag.diagnostics.advise import advise
-from kvdiag.diagnostics.explain import explain_conversation, load_turns
 from kvdiag.diagnostics.report import build_report, build_turn_table, load_turn_table, normalize_table
 from kvdiag.diagnostics.report_synth import SynthParams, router_events, synthetic_conversations
 from kvdiag.diagnostics.terminal import explain_renderables, render_text
 from kvdiag.diagnostics.terminal_report import report_renderables
+from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns
 from kvdiag.router import reuse as router_reuse
 from kvdiag.router import reuse_rule
 from kvdiag.router.app import start_router

@@ -7,7 +7,7 @@ Library entry points (report/advise read the same engine's table)::
 
 One conversation is found with a byte-level prefilter (scan.py): first the lines naming the
 conversation (or its hashed tag), then the lines naming its request ids; only those reach the engine,
-which decides them exactly as it decides every conversation (diagnostics/engine.py, rules.py).
+which decides them exactly as it decides every conversation (diagnostics/verdict_engine.py, rules.py).
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from typing import Any, Final
 
 import pyarrow as pa
 
-from kvdiag.diagnostics import engine
+from kvdiag.diagnostics import verdict_engine as engine
 from kvdiag.diagnostics.conversation_ids import id_tags
 from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
 from kvdiag.diagnostics.engine_windows import decide_windows
 from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_document, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.proxy_log import parse_proxy_numbered
+from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
 from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, head_lines
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
-from kvdiag.diagnostics.vllm_log import header_request_id
+from kvdiag.diagnostics.vllm_log_parser import header_request_id
 from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 

@@ -1,0 +1,62 @@
+"""``kvdiag advise``: thin CLI over kvdiag.diagnostics.advise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.markup import escape
+from rich.text import Text
+
+from kvdiag.cli.report_inputs import PATH, advice_console, cache_options, load_table, writing
+from kvdiag.diagnostics.advise import Advice, advise
+from kvdiag.diagnostics.html_report import write_html_report
+
+
+def _print_advice(adv: Advice) -> None:
+    console = advice_console()
+    console.print("[bold]Decode TTL[/]")
+    console.print(Text(adv.ttl.summary))
+    console.print("[bold]kv_recompute_threshold[/]")
+    console.print(Text(adv.threshold.summary))
+    console.print("[bold]Configuration checks[/]")
+    styles = {"ok": "green", "warning": "yellow", "error": "red", "missing_data": "dim", "info": "cyan"}
+    for c in adv.checks:
+        fix = f"  fix: {c.fix}" if c.fix and c.severity != "ok" else ""
+        # messages quote log lines and config keys: escaped, so "[...]" is printed, not read as markup
+        console.print(f"[{styles[c.severity]}]{c.severity:>12}[/] {escape(f'{c.id}: {c.message}{fix}')}",
+                      highlight=False)
+
+
+@click.command("advise")
+@click.argument("logs", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the advice as JSON (schema in docs/advise.md).")
+@click.option("--html", "html_path", type=PATH, help="Also write the HTML report with the advice section.")
+@click.option("--decoder-ttl", type=click.FloatRange(min=0, min_open=True),
+              help="D's decoder_kv_blocks_ttl in seconds, used when D's startup log line is not among LOGS.")
+@click.option("--router-ttl", type=click.FloatRange(min=0, min_open=True),
+              help="The router's handle TTL in seconds, used when the router's logs do not show it.")
+@click.option("--kv-bytes-per-token", type=click.FloatRange(min=0, min_open=True),
+              help="KV bytes per token, when the logs hold no D->P transfer sizes.")
+@cache_options
+def advise_cmd(logs: tuple[str, ...], as_json: bool, html_path: Path | None, decoder_ttl: float | None,
+               router_ttl: float | None, kv_bytes_per_token: float | None, cache_dir: Path, no_cache: bool,
+               no_progress: bool, events_only: bool) -> None:
+    """Recommend the decode TTL and kv_recompute_threshold, and check the configuration, from LOGS."""
+    df, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
+    if df.empty:
+        raise click.ClickException("no turns found in the given logs; check the paths (kvdiag explain --all LOGS "
+                                   "names the files it could not recognise)")
+    adv = advise(df, decoder_ttl, config=cfg, router_ttl=router_ttl, bytes_per_token=kv_bytes_per_token)
+    if as_json:
+        click.echo(json.dumps(adv.to_json_dict(), indent=2))
+    else:
+        _print_advice(adv)
+    if html_path is not None:
+        with writing():
+            out = write_html_report(df, html_path, advice=adv)
+        click.echo(f"wrote {out}", err=as_json)
+
+
+COMMANDS = (advise_cmd,)
