@@ -86,6 +86,9 @@ def _pair(role: str, hosts: tuple[str, ...], ports: tuple[int, ...]) -> tuple[Up
               help="Tokens of a turn's generation prompt the next prompt's history may not reproduce.")
 @click.option("--verify-tokens", is_flag=True,
               help="Prove reuse token by token: P's /tokenize of each prompt against D's token ids (costs a call).")
+@click.option("--tokenize-shared-prefix/--no-tokenize-shared-prefix", default=True, show_default=True,
+              help="When a prompt diverges from the previous one (an edit, a compaction) at a message boundary no "
+                   "turn ended at, ask P's /tokenize for the shared messages' token count (cached) and reuse them.")
 @click.option("--policy", type=click.Choice(POLICIES), default="round-robin", show_default=True,
               help="Where turns run: round-robin (the example proxy's), or kv-aware (the D and P that hold the "
                    "conversation's KV, while healthy and under the load bound).")
@@ -120,7 +123,8 @@ def router(**opts: Any) -> None:
         max_connections_per_host=opts["max_connections"], events_file=opts["events_file"],
         proxy_log=opts["proxy_log"], hash_ids=opts["hash_ids"], otlp_endpoint=opts["otlp_endpoint"],
         block_size=opts["block_size"], template_margin_tokens=opts["template_margin_tokens"],
-        verify_tokens=opts["verify_tokens"], policy=opts["policy"], prefill_locality=opts["prefill_locality"],
+        verify_tokens=opts["verify_tokens"], tokenize_shared_prefix=opts["tokenize_shared_prefix"],
+        policy=opts["policy"], prefill_locality=opts["prefill_locality"],
         load_factor=opts["load_factor"], branch_wait=opts["branch_wait"], eject_after=opts["eject_after"],
         eject_seconds=opts["eject_seconds"], max_eject_seconds=opts["max_eject_seconds"],
         health_check_interval=opts["health_check_interval"], health_check_timeout=opts["health_check_timeout"])

@@ -78,6 +78,9 @@ class RouterConfig:
     block_size: int | None = None  # D's KV block size; None: inferred per engine from the handles seen
     template_margin_tokens: int = 8  # generation-prompt tokens a history rendering may not reproduce
     verify_tokens: bool = False  # prove reuse token by token (P's /tokenize, D's token ids)
+    # a prompt that diverges at a clean boundary without a token count: ask P's /tokenize for it
+    tokenize_shared_prefix: bool = True
+    shared_prefix_timeout: float = 1.0  # seconds; a slower /tokenize falls back to the turn boundaries
     max_reply_bytes: int = 8 << 20  # a decode stream recorded beyond this is unverifiable
     # placement (docs/router.md "Placement"): where each turn's prefill and decode run
     policy: str = "round-robin"  # or "kv-aware"
@@ -139,6 +142,8 @@ class RouterConfig:
             raise RouterConfigError(f"--block-size {self.block_size}: use the engines' KV block size (e.g. 16)")
         if not 0 <= self.template_margin_tokens <= 1 << 16:
             raise RouterConfigError("--template-margin-tokens must be between 0 and 65536")
+        if not 0 < self.shared_prefix_timeout <= 60:
+            raise RouterConfigError("shared_prefix_timeout must be between 0 and 60 seconds")
         if self.max_reply_bytes < 1 << 16:
             raise RouterConfigError("max_reply_bytes must be at least 64 KiB")
         if self.policy not in POLICIES:

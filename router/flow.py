@@ -39,8 +39,8 @@ from kvdiag.router.leg_messages import (
 )
 from kvdiag.router.placement import Placed, Placement
 from kvdiag.router.reply import Observed, drop_token_ids, observe_body
-from kvdiag.router.reuse import ReuseGuard
-from kvdiag.router.reuse_rule import PromptView, Reuse, prompt_view, unsupported_shape
+from kvdiag.router.reuse import Injection, ReuseGuard
+from kvdiag.router.reuse_rule import Coverage, PromptView, Reuse, prompt_view, unsupported_shape
 from kvdiag.router.security import earlier_turns, hash_conversation_id, store_key, tenant_of
 from kvdiag.router.sse import PARAMS_KEY, SSECapture, TokenIdStripper
 from kvdiag.router.store import Claim, Handle, LastTurn, Store, StoreError
@@ -78,6 +78,7 @@ class _Turn:
     body: dict[str, Any] | None = None
     view: PromptView | None = None  # the prompt as the reuse rule sees it (None: a shape it cannot check)
     decision: Any = None  # the reuse rule's Decision for the claimed handle
+    coverage: Coverage | None = None  # the claimed handle's coverage with a learned prefix count (None: as stored)
     inject: dict[str, Any] | None = None  # D's params as P gets them (cut when the handle is trimmed)
     order: list[int] | None = None  # the P instances to try, in order
     placed: Placed | None = None  # where the turn's P and D run, and why (router/placement.py)
@@ -271,6 +272,8 @@ class TurnFlow:
                 injection = self.reuse.inject(handle, turn.view, matched, len(ids))
             else:
                 injection = self.reuse.inject(handle, turn.view)
+                if self.config.tokenize_shared_prefix:
+                    injection = await self._learn_prefix(handle, injection, body, headers, turn)
         decision = injection.decision if injection is not None else None
         turn.decision = decision
         self.placement.expect(turn.placed, decision, coverage)
@@ -288,6 +291,24 @@ class TurnFlow:
             state.reuse_limit_tokens = decision.limit_tokens if decision is not None and turn.inject else 0
             if decision is not None and decision.reuse is not Reuse.FULL and decision.detail:
                 state.reuse_attrs["reuse_detail"] = decision.detail[:300]
+
+    async def _learn_prefix(self, handle: Handle, injection: Injection, body: dict[str, Any], headers: dict[str, str],
+                            turn: _Turn) -> Injection:
+        """A prompt diverging at a boundary without a token count: P's /tokenize of the shared messages."""
+        started = time.perf_counter()
+        learned = await self.reuse.learn(self.upstreams, (turn.order or [0])[0], handle, turn.view, injection, body,
+                                         headers, turn.state.tenant or "anonymous")
+        if learned is None:
+            return injection
+        turn.coverage = learned.coverage
+        attrs = turn.state.reuse_attrs
+        attrs["shared_prefix"] = learned.outcome
+        attrs["shared_prefix_ms"] = round((time.perf_counter() - started) * 1000.0, 3)
+        try:
+            self.telemetry.metrics.labels("kvdiag_reuse_shared_prefix_counts", outcome=learned.outcome).inc()
+        except Exception:  # telemetry never breaks a turn
+            self.telemetry.emit_error()
+        return learned.injection
 
     def _log_lookup(self, turn: _Turn) -> None:
         log = self.telemetry.proxy_log
@@ -657,7 +678,8 @@ class TurnFlow:
                 return None  # nothing is stored for this turn anyway
             state.not_kept = f"unsupported request shape: {unsupported_shape(turn.body or {})}"
             return None
-        previous = turn.claim.handle.coverage if turn.claim is not None and turn.claim.handle is not None else None
+        previous = turn.coverage or (turn.claim.handle.coverage if turn.claim is not None and turn.claim.handle
+                                     is not None else None)
         try:
             coverage = self.reuse.coverage(body=turn.body or {}, view=view, previous=previous,
                                            decision=turn.decision, prompt_tokens=state.prompt_tokens,

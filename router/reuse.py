@@ -8,6 +8,7 @@ mode.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ from kvdiag.router.reuse_rule import (
     token_trace,
     trim_handle,
 )
+from kvdiag.router.shared_prefix import SharedPrefixCounter, boundary_to_learn, consistent, with_count
 from kvdiag.router.store import Handle
 from kvdiag.router.upstream import Upstreams
 from kvdiag.schema.verdicts import TrimReason
@@ -70,12 +72,22 @@ class Injection:
     handle_tokens: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """What asking for a shared prefix's token count gave: the new injection, and the coverage it used."""
+
+    injection: Injection
+    coverage: Coverage | None  # with the learned count (None: unchanged)
+    outcome: str               # shared_prefix.OUTCOMES
+
+
 class ReuseGuard:
-    """Per-process reuse state: the block-size book; stateless otherwise."""
+    """Per-process reuse state: the block-size book and the shared-prefix token counts."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.blocks = BlockSizeBook()
+        self.prefixes = SharedPrefixCounter(config.shared_prefix_timeout)
 
     def observe(self, params: Mapping[str, Any] | None) -> None:
         """Learn an engine's block size from params it returned (D's handle or P's)."""
@@ -122,6 +134,28 @@ class ReuseGuard:
                                 decision.rung, decision.matched)
         return Injection(decision, None, num_tokens)
 
+    async def learn(self, upstreams: Upstreams, index: int, handle: Handle, view: PromptView | None,
+                    injection: Injection, body: Mapping[str, Any], headers: dict[str, str],
+                    tenant: str) -> Learned | None:
+        """Inject more when the prompt diverges at a clean boundary whose token count P's /tokenize gives.
+
+        None when there is nothing to learn; otherwise the outcome, and a new injection when the
+        count was learned (else ``injection``, today's decision).
+        """
+        coverage = handle.coverage
+        rung = boundary_to_learn(coverage, view, injection.decision)
+        if rung is None or coverage is None or view is None:
+            return None
+        count, outcome = await self.prefixes.count(upstreams, index, body, headers, tenant, view, coverage.rungs[rung])
+        if count is None:
+            return Learned(injection, None, outcome)
+        if not consistent(coverage, rung, count):
+            _logger.warning("/tokenize counted %d tokens for a prefix a longer turn boundary holds fewer of; "
+                            "not used", count)
+            return Learned(injection, None, "inconsistent")
+        learned = with_count(coverage, rung, count)
+        return Learned(self.inject(dataclasses.replace(handle, coverage=learned), view), learned, outcome)
+
     async def tokenize(self, upstreams: Upstreams, index: int, body: Mapping[str, Any],
                        headers: dict[str, str]) -> list[int] | None:
         """P's token ids of this prompt (token-exact mode); None when /tokenize would not render it alike.
@@ -158,8 +192,9 @@ class ReuseGuard:
         if self.config.verify_tokens and observed is not None:
             trace = sequence_trace(prompt_ids if prompt_ids is not None else observed.prompt_ids, observed,
                                    d_params.get("remote_num_tokens"), bs)
-        return Coverage(view.kind, next_rungs(previous, decision, view, prompt_tokens), record, continuation, bs, trace,
-                        view.last_query if view.kind == CHAT else None)
+        rungs = next_rungs(previous, decision, view, prompt_tokens, clean=self.config.tokenize_shared_prefix)
+        last_query = view.last_query if view.kind == CHAT else None
+        return Coverage(view.kind, rungs, record, continuation, bs, trace, last_query)
 
 
 def reply_record(observed: Observed | None, body: Mapping[str, Any], kind: str) -> ReplyRecord:

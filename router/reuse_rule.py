@@ -238,6 +238,10 @@ class PromptView:
     first_reasoning: int | None = None  # chat: index of the first assistant message carrying reasoning
     reasoning_at: tuple[int, ...] = ()  # chat: indexes of every assistant message carrying reasoning
     last_query: int = -1                # chat: index of the last user query (-1: none)
+    # chat: prefix lengths (below the whole prompt) that end with the leading system messages or with a
+    # user query: where a rendering of the prefix alone ends as it does inside any longer prompt
+    clean: tuple[int, ...] = ()
+    head: int = 0                       # chat: how many leading system messages (0: none)
 
     def matches(self, rung: Rung) -> bool:
         """True when the prompt starts with the prefix ``rung`` was made for."""
@@ -282,16 +286,26 @@ def prompt_view(body: Mapping[str, Any], lengths: Iterable[int] = ()) -> PromptV
             digests[0] = h.hexdigest()[:DIGEST_HEX]
         reasoning_at: list[int] = []
         last_query = -1
+        clean: list[int] = []
+        head = 0
         for i, message in enumerate(messages, start=1):
             _feed_message(h, message)
+            boundary = False
             if _carries_reasoning(message):
                 reasoning_at.append(i - 1)
             elif is_user_query(message):
                 last_query = i - 1
-            if i in wanted:
+                boundary = isinstance(message.get("content"), str | list)  # the template's query test agrees
+            elif head == i - 1 and isinstance(message, dict) and message.get("role") == "system":
+                head = i
+                boundary = True
+            if boundary and i < len(messages):
+                clean.append(i)
+            if i in wanted or (boundary and i < len(messages)):
                 digests[i] = h.hexdigest()[:DIGEST_HEX]
         return PromptView(CHAT, len(messages), h.hexdigest()[:DIGEST_HEX], digests, messages,
-                          reasoning_at[0] if reasoning_at else None, tuple(reasoning_at), last_query)
+                          reasoning_at[0] if reasoning_at else None, tuple(reasoning_at), last_query,
+                          tuple(clean), head)
     data = str(body["prompt"]).encode("utf-8", "surrogatepass")
     h = hashlib.sha256(render_context(body, COMPLETION))
     digests = {}
@@ -531,12 +545,14 @@ def _verbatim(message: Mapping[str, Any], reply: ReplyRecord) -> bool:
 
 
 def next_rungs(coverage: Coverage | None, decision: Decision | None, view: PromptView,
-               prompt_tokens: int | None, max_rungs: int = MAX_RUNGS) -> tuple[Rung, ...]:
+               prompt_tokens: int | None, max_rungs: int = MAX_RUNGS, *, clean: bool = False) -> tuple[Rung, ...]:
     """The ladder stored with this turn's handle: the earlier boundaries this prompt reproduced, then its own.
 
     An earlier boundary is kept only where this prompt renders as the handle's prompt did (so it
     also holds for the sequence D computes now). A reply the client sent back verbatim becomes a
-    boundary of its own, at the end of D's previous sequence.
+    boundary of its own, at the end of D's previous sequence. With ``clean``, the prompt's clean
+    boundaries that no kept rung marks (the system prompt's end, user queries) are added without a
+    token count, for a later turn that diverges there to learn it (P's /tokenize).
     """
     kept: list[Rung] = []
     if coverage is not None and decision is not None and decision.matched >= 0 and coverage.kind == view.kind:
@@ -546,9 +562,15 @@ def next_rungs(coverage: Coverage | None, decision: Decision | None, view: Promp
             reply = _reply_rung(coverage, view, decision.limit_tokens)
             if reply is not None and reply.length < view.length and reply.length <= trusted:
                 kept.append(reply)
+    if clean and view.clean:
+        marked = {r.length for r in kept}
+        # Counted later from this prompt's own rendering, so the reasoning rule applies then, not here.
+        kept += [Rung(p, view.digests[p], None, query=p > view.head) for p in view.clean
+                 if p not in marked and p in view.digests]
+        kept.sort(key=lambda r: r.length)
     tokens = prompt_tokens if isinstance(prompt_tokens, int) and prompt_tokens > 0 else None
     query = view.kind == CHAT and view.length > 0 and view.last_query == view.length - 1
-    return (*_retain(kept, max_rungs - 1), Rung(view.length, view.digest, tokens, query=query))
+    return (*_retain(kept, max_rungs - 1, view.head), Rung(view.length, view.digest, tokens, query=query))
 
 
 def _reply_rung(coverage: Coverage, view: PromptView, handle_tokens: int) -> Rung | None:
@@ -563,20 +585,25 @@ def _reply_rung(coverage: Coverage, view: PromptView, handle_tokens: int) -> Run
     return Rung(length, found, handle_tokens, exact=True) if found is not None else None
 
 
-def _retain(rungs: list[Rung], slots: int) -> list[Rung]:
-    """At most ``slots`` rungs: the newest half, then the older ones ending at a user query, newest first.
+def _retain(rungs: list[Rung], slots: int, head: int = 0) -> list[Rung]:
+    """At most ``slots`` rungs: the system prompt's end, the newest half, then the older ones ending at a
+    user query, newest first.
 
     A query boundary is where reuse falls back when a later user query changes how reasoning in
-    the history renders, so those outlive the rest.
+    the history renders, so those outlive the rest; the system prompt's end is where a compaction
+    or an edit of the first user message falls back.
     """
     if slots <= 0:
         return []
     if len(rungs) <= slots:
         return rungs
+    pinned = [r for r in rungs[:1] if head and r.length == head and slots > 1]
+    rest = rungs[len(pinned):]
+    slots -= len(pinned)
     recent = max(slots // 2, 1)
-    older, newest = rungs[:-recent], rungs[-recent:]
+    older, newest = rest[:-recent], rest[-recent:]
     ranked = [r for r in reversed(older) if r.query] + [r for r in reversed(older) if not r.query]
-    return sorted(ranked[:slots - recent], key=lambda r: r.length) + newest
+    return pinned + sorted(ranked[:slots - recent], key=lambda r: r.length) + newest
 
 
 # ---------------------------------------------------------------------------------------------- the handle

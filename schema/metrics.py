@@ -56,6 +56,8 @@ class MetricSpec:
 
 _OUTCOMES: Final = tuple(v.value for v in Verdict)
 TRIM_REASONS: Final = tuple(r.value for r in TrimReason)
+# How the router got the token count of the messages a diverging prompt shares with the previous one.
+SHARED_PREFIX_OUTCOMES: Final = ("cached", "tokenized", "failed", "timeout", "unrenderable", "inconsistent")
 MISSING_METADATA_REASONS: Final = ("not_streamed", "bidirectional_off_on_decode", "aborted",
                                    "client_disconnected", "decode_failed", "prefill_failed", "unknown")
 UPSTREAM_LEGS: Final = ("prefill", "decode")
@@ -119,6 +121,11 @@ CATALOG: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("kvdiag_reuse_offered_tokens", "counter",
                "Tokens of D's handles the router let P read (after trimming).",
                unit="tokens", labels=("model",)),
+    MetricSpec("kvdiag_reuse_shared_prefix_counts", "counter",
+               "Turns diverging from the previous prompt at a message boundary without a token count, by how "
+               "the router got the count of the shared messages: cached, tokenized (P's /tokenize), or not "
+               "(failed, timeout, unrenderable, inconsistent: reuse fell back to the turn boundaries).",
+               labels=("outcome",), label_values=(("outcome", SHARED_PREFIX_OUTCOMES),)),
     MetricSpec("kvdiag_lookups", "counter", "Router handle lookups by result.",
                labels=("result",), label_values=(("result", LOOKUP_RESULTS),)),
     # --- router health ---
