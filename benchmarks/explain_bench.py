@@ -1,9 +1,14 @@
 """Benchmark ``kvdiag explain`` against ``grep -F`` and DuckDB's raw scan of the same files, in one run.
 
-* one conversation: ``explain_conversation`` vs ``grep -F <id> FILES`` (target: ≤ 2×);
-* every conversation: ``load_turns`` vs DuckDB ``read_csv`` of every line of the same files (target: ≤ 2×).
-Files are read once first so every contender runs on a warm page cache; each figure is the median
-of ``--repeat`` runs; the ``--all`` rounds interleave DuckDB and kvdiag and also list each round's ratio.
+* one conversation: ``explain_conversation`` in this process, and ``kvdiag explain DIR --conversation ID``
+  as a subprocess (interpreter start included), vs ``grep -F <id> FILES`` (target: ≤ 2× in wall time
+  and in CPU);
+* every conversation: ``load_turns`` (what ``explain --all`` prints from) vs DuckDB ``read_csv`` of every
+  line of the same files, counted (``count(*)``, the baseline of the earlier figures) and materialized
+  (``CREATE TABLE``, report_bench.py's baseline) (target: ≤ 2×).
+Files are read once first so every contender runs on a warm page cache. Rounds are interleaved (the
+baseline, then kvdiag, back to back); each figure is the median over ``--repeat`` rounds, and the ratio
+is taken per round, then the median (CPU: this process's threads + its children, grep and the CLI).
 
     .venv/bin/python benchmarks/gen_logs.py --size 1GB
     .venv/bin/python benchmarks/explain_bench.py --data benchmarks/data/1024MB --repeat 3
@@ -24,19 +29,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvdiag.diagnostics.explain import explain_conversation, load_turns
+from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns
 
 
-def _median(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """Median wall seconds and median CPU seconds (this process + its children, e.g. grep)."""
-    walls, cpus = [], []
-    for _ in range(repeat):
-        c0, p0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time(), time.perf_counter()
-        fn()
-        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - p0 + c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime)
-    return statistics.median(walls), statistics.median(cpus)
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process + its children, e.g. grep or the CLI)."""
+    c0, p0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time(), time.perf_counter()
+    fn()
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter() - t0, time.process_time() - p0 + c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+
+
+def _cli(data: Path, conversation_id: str) -> None:
+    exe = Path(sys.executable).with_name("kvdiag")
+    subprocess.run([str(exe), "explain", str(data), "--conversation", conversation_id, "--no-progress"],
+                   stdout=subprocess.DEVNULL, check=True)
 
 
 def _grep(files: list[str], needle: str) -> None:
@@ -55,6 +62,17 @@ def _duckdb_scan(files: list[str]) -> int:
     return int(rows[0]) if rows else 0
 
 
+def _duckdb_table(files: list[str]) -> None:
+    import duckdb
+
+    con = duckdb.connect()
+    try:
+        con.execute("CREATE TABLE t AS SELECT * FROM read_csv($files, columns={'line': 'VARCHAR'}, delim=chr(1), "
+                    "header=false, quote='', escape='', strict_mode=false)", {"files": files})
+    finally:
+        con.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=Path(__file__).parent / "data" / "1024MB")
@@ -71,37 +89,44 @@ def main(argv: list[str] | None = None) -> int:
                 pass
     rows: list[dict[str, object]] = []
 
-    def row(case: str, ours: tuple[float, float], baseline: str, base: tuple[float, float]) -> None:
-        rows.append({"case": case, "kvdiag_s": round(ours[0], 3), "baseline": baseline, "baseline_s": round(base[0], 3),
-                     "ratio": round(ours[0] / base[0], 2), "kvdiag_cpu_s": round(ours[1], 3),
-                     "baseline_cpu_s": round(base[1], 3), "cpu_ratio": round(ours[1] / base[1], 2)})
+    def interleaved(case: str, baselines: dict[str, Callable[[], object]], ours_fn: Callable[[], object]) -> None:
+        base_runs: dict[str, list[tuple[float, float]]] = {name: [] for name in baselines}
+        our_runs = []
+        for _ in range(args.repeat):
+            for name, fn in baselines.items():
+                base_runs[name].append(_timed(fn))
+            our_runs.append(_timed(ours_fn))
+        for name, runs in base_runs.items():
+            walls = [o[0] / b[0] for o, b in zip(our_runs, runs, strict=True)]
+            cpus = [o[1] / b[1] for o, b in zip(our_runs, runs, strict=True)]
+            rows.append({"case": case, "kvdiag_s": round(statistics.median(o[0] for o in our_runs), 3),
+                         "baseline": name, "baseline_s": round(statistics.median(b[0] for b in runs), 3),
+                         "ratio": round(statistics.median(walls), 2),
+                         "kvdiag_cpu_s": round(statistics.median(o[1] for o in our_runs), 3),
+                         "baseline_cpu_s": round(statistics.median(b[1] for b in runs), 3),
+                         "cpu_ratio": round(statistics.median(cpus), 2),
+                         "round_wall_ratios": [round(r, 2) for r in walls],
+                         "round_cpu_ratios": [round(r, 2) for r in cpus]})
 
     with tempfile.TemporaryDirectory() as tmp:
         stock = Path(tmp)  # the same data set without kvdiag events: what an unmodified deployment leaves
         for name in ("prefill.log", "decode.log", "proxy.log", "client-stats.jsonl"):
             (stock / name).symlink_to((args.data / name).resolve())
         stock_files = sorted(str(p) for p in stock.iterdir())
+        sets = (("all files", args.data, files), ("stock files only", stock, stock_files))
         for conv in [] if args.skip_one else args.ids:
-            base = _median(lambda c=conv: _grep(files, c), args.repeat)
-            ours = _median(lambda c=conv: explain_conversation([str(args.data)], c), args.repeat)
-            row(f"one conversation ({conv}), all files", ours, "grep -F", base)
-            base = _median(lambda c=conv: _grep(stock_files, c), args.repeat)
-            ours = _median(lambda c=conv: explain_conversation([str(stock)], c), args.repeat)
-            row(f"one conversation ({conv}), stock files only", ours, "grep -F", base)
-    if not args.skip_all:
-        # Interleaved rounds (DuckDB, then kvdiag, back to back): the shared machine's load changes by
-        # the minute, so each round's ratio is the figure; medians over rounds are reported.
-        base_runs, our_runs = [], []
-        for _ in range(args.repeat):
-            base_runs.append(_median(lambda: _duckdb_scan(files), 1))
-            our_runs.append(_median(lambda: load_turns([str(args.data)]), 1))
-        base = (statistics.median(b[0] for b in base_runs), statistics.median(b[1] for b in base_runs))
-        ours = (statistics.median(o[0] for o in our_runs), statistics.median(o[1] for o in our_runs))
-        row("--all", ours, "DuckDB read_csv raw scan", base)
-        rows[-1]["round_wall_ratios"] = [round(o[0] / b[0], 2) for o, b in zip(our_runs, base_runs, strict=True)]
-        rows[-1]["round_cpu_ratios"] = [round(o[1] / b[1], 2) for o, b in zip(our_runs, base_runs, strict=True)]
+            for label, folder, fl in sets:
+                interleaved(f"one conversation ({conv}), {label}", {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)},
+                            lambda c=conv, d=folder: explain_conversation([str(d)], c))
+                interleaved(f"CLI `kvdiag explain --conversation {conv}`, {label}",
+                            {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)}, lambda c=conv, d=folder: _cli(d, c))
+        if not args.skip_all:
+            for label, folder, fl in sets:
+                interleaved(f"--all, {label}", {"DuckDB read_csv count(*)": lambda fl=fl: _duckdb_scan(fl),
+                                                "DuckDB read_csv CREATE TABLE": lambda fl=fl: _duckdb_table(fl)},
+                            lambda d=folder: load_turns([str(d)]))
     doc = {"data": str(args.data), "bytes": size, "files": len(files), "cpus": os.cpu_count(),
-           "python": platform.python_version(), "rows": rows}
+           "python": platform.python_version(), "load_average": os.getloadavg(), "rows": rows}
     print(json.dumps(doc, indent=2))
     print("\n| case | kvdiag wall s | baseline | baseline wall s | wall ratio | kvdiag CPU s | baseline CPU s | "
           "CPU ratio |\n|---|---|---|---|---|---|---|---|")

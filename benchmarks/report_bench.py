@@ -1,22 +1,34 @@
-"""`kvdiag report` over ~1 GB of logs against DuckDB's raw scan of the same files (BENCHMARKS.md).
+"""`kvdiag report` over ~1 GB of logs against DuckDB's raw scan of the same files (BENCHMARKS.md, issue 13).
 
-Three data sets:
+Data sets:
 
-* ``events``: kvdiag event logs only (client.jsonl + router-events.jsonl from the synthetic
-  generator), the instrumented deployment: report builds the table in DuckDB (report_fast.py).
-* ``mixed`` (optional, ``--mixed DIR``, e.g. ``benchmarks/data/1024MB`` from gen_logs.py): stock vLLM,
-  proxy and client-stats logs beside the events: DuckDB again, the stock logs through report_stock.py;
-  also checks that table equals explain's parser's (``duckdb_path_equals_parser``), and times the
-  parser and ``events_only`` for reference.
-* ``stock``: the same directory without its event files: only explain's parser decides stock verdicts.
+* ``mixed`` (``--data DIR``, from ``benchmarks/gen_logs.py --size 1GB``): stock vLLM P/D logs, the proxy
+  log and vLLM-benchmark client statistics beside kvdiag's client/router/prefill events;
+* ``stock``: the same folder without its event files: what an unmodified deployment leaves (target (a));
+* ``events`` (optional, ``--events-dir DIR``): kvdiag event logs only, generated here with
+  kvdiag.diagnostics.report_synth when the folder is empty (``--size-mb``).
 
-The baseline is DuckDB reading every field of every record of the same files into a table
-(``CREATE TABLE AS SELECT * FROM read_json_auto(...)``; text logs via ``read_csv`` one column per
-line). Figures are medians over ``--repeat`` interleaved rounds of wall and CPU seconds, in one process, on a
-warm page cache; ratios are per round, then the median.
+The baseline is DuckDB reading every record of the same files into a table (``CREATE TABLE AS SELECT *
+FROM read_json_auto(...)`` for event files; every other file through ``read_csv``, one column per line).
+Variants, timed in interleaved rounds (baseline, then each variant, back to back; on a shared machine the
+load changes by the minute, so each round's ratio is the figure and the median over rounds is reported):
 
-    .venv/bin/python benchmarks/report_bench.py --size-mb 1024
-    .venv/bin/python benchmarks/report_bench.py --size-mb 1024 --mixed benchmarks/data/1024MB
+* ``report_cold``: the turn table and every aggregation in this process (``load_turn_table`` +
+  ``build_report``), no cache;
+* ``cli_cold``: ``kvdiag report DIR --no-cache`` as a subprocess: interpreter start, imports, the
+  configuration scan and printing included (target (c));
+* ``report_cached`` / ``cli_cached``: the same over the Parquet cache (the second run over unchanged logs).
+
+Wall and CPU seconds (this process's threads, DuckDB's included, plus the children's: grep, the CLI).
+
+``--memory DIR`` (e.g. 10 GB from ``gen_logs.py --size 10GB``) also runs ``kvdiag report --no-cache``
+once over that folder and once over ``--data``, and reports each child's peak RSS (``wait4``'s
+ru_maxrss): the engine streams the files, so 10× the logs must not take 10× the memory (target (e)).
+
+    .venv/bin/python benchmarks/gen_logs.py --size 1GB --out /tmp/bench1g
+    .venv/bin/python benchmarks/report_bench.py --data /tmp/bench1g --repeat 3
+    .venv/bin/python benchmarks/gen_logs.py --size 10GB --out /tmp/bench10g
+    .venv/bin/python benchmarks/report_bench.py --data /tmp/bench1g --repeat 0 --memory /tmp/bench10g
 """
 
 from __future__ import annotations
@@ -38,11 +50,11 @@ from pathlib import Path
 import duckdb
 
 from kvdiag.diagnostics.detect import detect, expand_paths
-from kvdiag.diagnostics.report import build_report, load_turn_table, normalize_table
-from kvdiag.diagnostics.report_fast import fast_turn_table
+from kvdiag.diagnostics.report import build_report, load_turn_table
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
 
 BATCH = 4000  # conversations per generator batch (bounded memory)
+EVENT_FILES = ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl", "decode-events.jsonl")
 
 
 def generate(out: Path, size_mb: int) -> list[Path]:
@@ -77,8 +89,9 @@ def duckdb_raw_scan(files: list[str]) -> None:
     """DuckDB materializing every record of the inputs (the baseline)."""
     con = duckdb.connect()
     try:
-        json_files = [f.path for f in detect(files) if f.fmt in ("events",)]
-        other = [f.path for f in detect(files) if f.fmt not in ("events",)]
+        detected = detect(files)
+        json_files = [f.path for f in detected if f.fmt == "events"]
+        other = [f.path for f in detected if f.fmt != "events"]
         if json_files:
             con.execute("CREATE TABLE j AS SELECT * FROM read_json_auto($f, format = 'newline_delimited', "
                         "union_by_name = true)", {"f": json_files})
@@ -89,87 +102,53 @@ def duckdb_raw_scan(files: list[str]) -> None:
         con.close()
 
 
-def report_once(files: list[str], *, cache_dir: Path | None = None, events_only: bool = False,
-                fast: bool = True) -> int:
-    df = load_turn_table(files, cache_dir=cache_dir, events_only=events_only, fast=fast)
+def report_once(files: list[str], *, cache_dir: Path | None = None, events_only: bool = False) -> int:
+    df = load_turn_table(files, cache_dir=cache_dir, events_only=events_only)
     build_report(df, 480.0)
     return len(df)
 
 
-def stock_changes(files: list[str]) -> dict[str, int]:
-    """Per column, the turns whose value differs between the full table and the events-only one.
-
-    Why it matters: the report may skip the stock logs only where they change nothing; any non-zero
-    count here says the events alone do not decide the table (BENCHMARKS.md)."""
-    key = ["conversation_id", "turn"]
-    full = load_turn_table(files).sort_values(key).reset_index(drop=True)
-    events = load_turn_table(files, events_only=True).sort_values(key).reset_index(drop=True)
-    if len(full) != len(events) or not full[key].equals(events[key]):
-        return {"turns_only_in_one_table": len(set(map(tuple, full[key].to_numpy())) ^
-                                                   set(map(tuple, events[key].to_numpy())))}
-    out = {}
-    for col in full.columns:
-        a, b = full[col], events[col]
-        differ = ~((a == b).fillna(False).astype(bool) | (a.isna() & b.isna()))
-        if int(differ.sum()):
-            out[col] = int(differ.sum())
-    return out
-
-
-def same_table(files: list[str]) -> bool:
-    """The DuckDB path's table equals explain's parser's (and the DuckDB path did not decline)."""
-    key = ["conversation_id", "turn"]
-    fast = fast_turn_table(files)
-    if fast is None:
-        return False
-    slow = load_turn_table(files, fast=False).sort_values(key).reset_index(drop=True)
-    return bool(normalize_table(fast).sort_values(key).reset_index(drop=True).equals(slow))
-
-
-def cli_once(paths: list[str], extra: list[str]) -> float:
+def cli_run(paths: list[str], extra: list[str]) -> dict[str, float]:
+    """``kvdiag report`` as a child: wall and CPU seconds and peak RSS (MiB) of that child alone."""
     exe = Path(sys.executable).with_name("kvdiag")
     t0 = time.perf_counter()
-    subprocess.run([str(exe), "report", *paths, "--decoder-ttl", "480", "--no-progress", *extra], check=True,
-                   stdout=subprocess.DEVNULL)
-    return time.perf_counter() - t0
+    child = subprocess.Popen([str(exe), "report", *paths, "--decoder-ttl", "480", "--no-progress", *extra],
+                             stdout=subprocess.DEVNULL)
+    _pid, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"kvdiag report exited with {child.returncode}")
+    return {"wall_s": round(time.perf_counter() - t0, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
 
 
 def size_mb(files: list[str]) -> float:
     return sum(os.path.getsize(f) for f in files) / 1e6
 
 
-def run(name: str, paths: list[str], repeat: int) -> dict[str, object]:
-    """Interleaved rounds (baseline, then each kvdiag variant, back to back): on a shared machine the
-    load changes by the minute, so each round's ratio is the figure; the median over rounds is reported,
-    for wall time and for CPU time (DuckDB's CPU counts both of its threads, grep's its own).
-
-    ``name``: events (kvdiag events only), mixed (stock logs beside the events), stock (stock logs only)."""
+def run(name: str, paths: list[str], repeat: int, *, events_only: bool = False) -> dict[str, object]:
+    """Interleaved rounds over one data set; medians over rounds, and each round's ratio to the baseline."""
     files = expand_paths(paths)
     res: dict[str, object] = {"data": name, "files": len(files), "mb": round(size_mb(files), 1)}
     cache = Path(tempfile.mkdtemp(prefix="kvdiag-bench-cache-"))
     rounds: dict[str, list[tuple[float, float]]] = {}
     try:
-        res["turns"] = report_once(files, cache_dir=cache)  # fills the cache
-        if name == "mixed":
-            res["duckdb_path_equals_parser"] = same_table(files)
-            res["stock_changes"] = stock_changes(files)
-        cli_once(paths, ["--cache-dir", str(cache)])  # fills the config cache too
+        res["turns"] = report_once(files, cache_dir=cache)  # fills the cache (and warms the page cache)
+        cli_run(paths, ["--cache-dir", str(cache)])  # fills the configuration cache too
         variants: list[tuple[str, Callable[[], object]]] = [
-            ("duckdb_raw_scan", lambda: duckdb_raw_scan(files)), ("report_cold", lambda: report_once(files))]
-        if name == "mixed":  # explain's parser over the same files, for reference (on 1.3M event turns
-            # it takes minutes a round: explain's section of BENCHMARKS.md has those figures)
-            variants.append(("report_parser", lambda: report_once(files, fast=False)))
-        if name == "mixed":
+            ("duckdb_raw_scan", lambda: duckdb_raw_scan(files)), ("report_cold", lambda: report_once(files)),
+            ("cli_cold", lambda: cli_run(paths, ["--no-cache"]))]
+        if events_only:
             variants.append(("report_events_only", lambda: report_once(files, events_only=True)))
-        variants += [
-            ("report_cached", lambda: report_once(files, cache_dir=cache)),
-            ("cli_cold", lambda: cli_once(paths, ["--no-cache"])),
-            ("cli_cached", lambda: cli_once(paths, ["--cache-dir", str(cache)]))]
+        variants += [("report_cached", lambda: report_once(files, cache_dir=cache)),
+                     ("cli_cached", lambda: cli_run(paths, ["--cache-dir", str(cache)]))]
         for _ in range(repeat):
             for key, fn in variants:
                 rounds.setdefault(key, []).append(timed(fn))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+    if not rounds:
+        return res
     base = rounds["duckdb_raw_scan"]
     for key, runs in rounds.items():
         res[f"{key}_s"] = round(statistics.median(r[0] for r in runs), 2)
@@ -182,25 +161,46 @@ def run(name: str, paths: list[str], repeat: int) -> dict[str, object]:
     return res
 
 
+def memory(big: Path, small: Path) -> dict[str, object]:
+    """Peak RSS of ``kvdiag report --no-cache`` over the big and the small folder (one run each)."""
+    out: dict[str, object] = {}
+    for label, folder in (("small", small), ("big", big)):
+        files = expand_paths([str(folder)])
+        out[label] = {"dir": str(folder), "mb": round(size_mb(files), 1), **cli_run([str(folder)], ["--no-cache"])}
+    small_rss = out["small"]["peak_rss_mib"]  # type: ignore[index]
+    big_rss = out["big"]["peak_rss_mib"]  # type: ignore[index]
+    out["rss_ratio"] = round(big_rss / small_rss, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="A gen_logs.py data set (stock logs + events).")
+    ap.add_argument("--events-dir", type=Path, help="Also run over kvdiag events only (generated here if empty).")
     ap.add_argument("--size-mb", type=int, default=1024, help="Size of the generated event data set.")
-    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "kvdiag-report-bench")
-    ap.add_argument("--reuse", action="store_true", help="Reuse an existing generated data set in --dir.")
-    ap.add_argument("--mixed", type=Path, help="Also run over this gen_logs.py data set (stock + events).")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--memory", type=Path, help="A large gen_logs.py data set: peak RSS there vs over --data.")
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    if not (args.reuse and (args.dir / "router-events.jsonl").exists()):
-        t0 = time.perf_counter()
-        generate(args.dir, args.size_mb)
-        print(f"generated {args.dir} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     print(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), "
-                                 f"Python {platform.python_version()}, duckdb {duckdb.__version__}"}))
-    print(json.dumps(run("events", [str(args.dir)], args.repeat)))
-    if args.mixed:
-        print(json.dumps(run("mixed", [str(args.mixed)], args.repeat)))
-        stock = [f.path for f in detect(expand_paths([str(args.mixed)])) if f.fmt != "events"]
-        print(json.dumps(run("stock", stock, args.repeat)))
+                                 f"Python {platform.python_version()}, duckdb {duckdb.__version__}",
+                      "load_average": os.getloadavg()}))
+    if args.events_dir is not None:
+        if not (args.events_dir / "router-events.jsonl").exists():
+            t0 = time.perf_counter()
+            generate(args.events_dir, args.size_mb)
+            print(f"generated {args.events_dir} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(json.dumps(run("events", [str(args.events_dir)], args.repeat)))
+    if args.repeat:
+        print(json.dumps(run("mixed", [str(args.data)], args.repeat, events_only=True)))
+        with tempfile.TemporaryDirectory() as tmp:
+            stock = Path(tmp)  # the same files without kvdiag's events
+            for f in expand_paths([str(args.data)]):
+                if Path(f).name not in EVENT_FILES:
+                    (stock / Path(f).name).symlink_to(Path(f).resolve())
+            print(json.dumps(run("stock", [str(stock)], args.repeat)))
+            print(json.dumps({"load_average": os.getloadavg()}))
+    if args.memory is not None:
+        print(json.dumps({"memory": memory(args.memory, args.data), "load_average": os.getloadavg()}))
 
 
 if __name__ == "__main__":

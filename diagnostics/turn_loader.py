@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import gc
+import itertools
 import json
 import os
 import re
@@ -152,7 +154,8 @@ def load_turns(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None 
             run.con.close()
         staged.display_records(convs)
         _merge_stats(stats, staged, inner)
-        return sorted(convs, key=_severity)
+        with gc_paused():
+            return sorted(convs, key=_severity)
 
 
 def _severity(conv: ConversationRecord) -> tuple[int, int, str]:
@@ -180,9 +183,49 @@ def records(run: engine.Run) -> list[ConversationRecord]:
     return records_from_table(engine.decided_rows(run), missing, fixes)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while records are built: each of its full passes would walk every
+    record made so far (records hold no cycles to collect)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _evidence_lists(table: pa.Table) -> list[list[Evidence]]:
+    """Each row's evidence column as Evidence objects, read from the flat arrays (no dict per item)."""
+    col = table.column("evidence").combine_chunks()
+    offsets = col.offsets.to_pylist()
+    flat = col.flatten()
+    sources, texts = flat.field("source").to_pylist(), flat.field("text").to_pylist()
+    new = object.__new__
+    out: list[list[Evidence]] = []
+    for a, b in itertools.pairwise(offsets):
+        items = []
+        for source, text in zip(sources[a:b], texts[a:b], strict=True):
+            e = new(Evidence)  # a frozen dataclass: its __init__ goes through object.__setattr__ per field
+            d = e.__dict__
+            d["source"] = source
+            d["text"] = text
+            items.append(e)
+        out.append(items)
+    return out
+
+
 def records_from_table(table: pa.Table, missing: list[str], fixes: FixContext) -> list[ConversationRecord]:
     """ConversationRecords from decided rows (engine.decided_rows, in conversation order)."""
-    cols: dict[str, list[Any]] = {name: table.column(name).to_pylist() for name in table.column_names}
+    with gc_paused():
+        return _records_from_table(table, missing, fixes)
+
+
+def _records_from_table(table: pa.Table, missing: list[str], fixes: FixContext) -> list[ConversationRecord]:
+    cols: dict[str, list[Any]] = {name: table.column(name).to_pylist() for name in table.column_names
+                                  if name != "evidence"}
+    evidence = _evidence_lists(table)
     out: list[ConversationRecord] = []
     conv: ConversationRecord | None = None
     new = object.__new__
@@ -206,7 +249,7 @@ def records_from_table(table: pa.Table, missing: list[str], fixes: FixContext) -
         state["confidence"] = _CONFIDENCE[cols["confidence"][i]]
         state["reason"] = state["reason"] or ""
         state["fix"] = VERDICT_INFO[verdict].fix
-        state["evidence"] = [Evidence(source=e["source"], text=e["text"]) for e in cols["evidence"][i] or ()]
+        state["evidence"] = evidence[i]
         fix_hint(rec, fixes)
         conv.turns.append(rec)
     return out

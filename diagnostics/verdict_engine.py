@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from kvdiag.diagnostics import engine_parse as ep
@@ -82,12 +84,30 @@ def execute(run: Run, sql: str) -> None:
 PROFILE: Final = bool(os.environ.get("KVDIAG_PROFILE"))
 
 
+# DuckDB's own default (80% of RAM) lets a 10 GB run hold every line in memory; past this limit it spills
+# to a temporary directory instead, so memory stays bounded whatever the logs' size.
+MAX_MEMORY_LIMIT: Final = 3 << 30
+
+
+def memory_limit() -> str:
+    """The run's DuckDB memory limit: KVDIAG_MEMORY_LIMIT, else a quarter of RAM up to 3 GiB."""
+    limit = os.environ.get("KVDIAG_MEMORY_LIMIT")
+    if limit:
+        return limit
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 4 * MAX_MEMORY_LIMIT
+    return f"{max(min(ram // 4, MAX_MEMORY_LIMIT), 256 << 20) >> 20}MiB"
+
+
 def connect() -> duckdb.DuckDBPyConnection:
     """A DuckDB connection for one run (memory bounded: it spills to disk past the limit)."""
     con = duckdb.connect(config={"preserve_insertion_order": True})
-    limit = os.environ.get("KVDIAG_MEMORY_LIMIT")
-    if limit:
-        con.execute(f"SET memory_limit = {ep.sql_str(limit)}")
+    con.execute(f"SET memory_limit = {ep.sql_str(memory_limit())}")
+    # DuckDB would spill into ./.tmp; its own directory under the system's temp dir (DuckDB removes it on close)
+    spill = os.path.join(tempfile.gettempdir(), f"kvdiag-duckdb-{os.getpid()}-{id(con):x}")
+    con.execute(f"SET temp_directory = {ep.sql_str(spill)}")
     con.execute("SET arrow_large_buffer_size = true")
     return con
 
@@ -385,12 +405,24 @@ def decided_rows(run: Run, *, evidence: bool = True) -> pa.Table:
     """The decided turns, in conversation order (the columns TurnRecord and the turn table read); with
     ``evidence``, each turn's evidence as a list of {source, text}."""
     cols = ", ".join(c for c in RECORD_COLUMNS if c != "evidence")
+    order = "ORDER BY conversation_id, pos"  # (conversation, place in it) is unique: one order for both queries
+    rows = run.con.sql(f"SELECT {cols} FROM decided {order}").to_arrow_table()
     if not evidence:
-        return run.con.sql(f"SELECT {cols} FROM decided ORDER BY conversation_id, pos").to_arrow_table()
+        return rows
     run.con.execute("CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT d.sid, r.ref, r.k FROM decided d, "
                     "unnest(d.evidence) WITH ORDINALITY AS r(ref, k)")
     run.con.execute("CREATE OR REPLACE TEMP TABLE ev_text AS " + evidence_sql("ev_refs")
                     + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext")
-    return run.con.sql(f"""SELECT {cols}, (SELECT list({{'source': t.source, 'text': t.text}} ORDER BY r.k)
-        FROM ev_refs r JOIN (SELECT DISTINCT ON (ref) * FROM ev_text) t USING (ref) WHERE r.sid = d.sid) AS evidence
-        FROM decided d ORDER BY conversation_id, pos""").to_arrow_table()
+    texts = "(SELECT DISTINCT ON (ref) * FROM ev_text)" if run.con.execute(
+        "SELECT count(*) FROM wtext").fetchall()[0][0] else "ev_text"  # only a window's text can repeat a ref
+    # One flat, sorted list of every turn's evidence, cut into lists by offsets: an ordered list() per turn
+    # in DuckDB costs several times more.
+    flat = run.con.sql(f"""SELECT o.i, t.source, t.text FROM ev_refs r
+        JOIN (SELECT sid, row_number() OVER ({order}) - 1 AS i FROM decided) o USING (sid)
+        JOIN {texts} t USING (ref) ORDER BY o.i, r.k""").to_arrow_table()
+    counts = np.zeros(rows.num_rows + 1, dtype=np.int64)
+    np.add.at(counts, flat.column("i").to_numpy() + 1, 1)
+    values = pa.StructArray.from_arrays([flat.column("source").combine_chunks(), flat.column("text").combine_chunks()],
+                                        names=["source", "text"])
+    return rows.append_column("evidence", pa.ListArray.from_arrays(pa.array(np.cumsum(counts), pa.int32()),
+                                                                   values))
