@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PKGS := schema sim router diagnostics instrumentation exporters dashboards alerts monitoring check cli demo
 APT_PACKAGES := prometheus redis-server chromium
 
-.PHONY: demo test lint typecheck pytest venv test-deps sysdeps vllm-env generate check-generated clean bench
+.PHONY: demo test test-fast lint typecheck pytest venv test-deps sysdeps vllm-env generate check-generated clean bench
 
 $(BIN)/kvdiag: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -59,6 +59,10 @@ pytest: test-deps sysdeps vllm-env
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test: lint typecheck pytest
+
+# The edit loop: lint, types and the tests that need neither real vLLM nor minutes (CI runs everything).
+test-fast: lint typecheck sysdeps
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not vllm"
 
 generate: venv
 	$(BIN)/python -m kvdiag.dashboards.build --out dashboards

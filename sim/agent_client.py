@@ -41,7 +41,7 @@ from kvdiag.sim.workload import (
     WorkloadResult,
     prompt_token_count,
     request_stats,
-    write_request_stats,
+    run_conversations,
 )
 from kvdiag.sim.workload_http import ChatResult, send_chat
 from kvdiag.sim.workload_plan import WorkloadConfig, synthetic_text
@@ -286,28 +286,6 @@ async def run_agent_workload(config: WorkloadConfig, spec: AgentSpec, *, options
     """Run every conversation of ``spec`` (concurrently, turns in order) within ``config.duration_limit``."""
     config.validate()
     plans = list(plans) if plans is not None else make_agent_plans(spec)
-    log = ClientLogWriter(client_log)
-    result = WorkloadResult()
-    started = time.perf_counter()
-    try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            runner = AgentRunner(config, session, options=options, log=log, on_turn=on_turn)
-            tasks = [asyncio.create_task(runner.run_conversation(runner.new_conversation(p, i)))
-                     for i, p in enumerate(plans)]
-            try:
-                async with asyncio.timeout(config.duration_limit):
-                    await asyncio.gather(*tasks)
-            except TimeoutError:
-                result.truncated = True
-                _logger.warning("agent workload stopped at the %.0f s duration limit", config.duration_limit)
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            result.records = list(runner.records)
-    finally:
-        log.close()
-    result.elapsed_s = round(time.perf_counter() - started, 3)
-    if stats_json is not None:
-        write_request_stats(stats_json, result.records)
-    return result
+    return await run_conversations(
+        config, plans, lambda session, log: AgentRunner(config, session, options=options, log=log, on_turn=on_turn),
+        client_log=client_log, stats_json=stats_json, what="agent workload")

@@ -17,7 +17,7 @@ from typing import Any, Final
 from kvdiag.sim.chat_template import TemplateError, render_text
 from kvdiag.sim.config import EngineConfig
 from kvdiag.sim.model_output import HINT_KEY, HintError, OutputPlan, SimHint, ToolRequest, make_plan
-from kvdiag.sim.openai_api import BadRequest
+from kvdiag.sim.openai_api import BadRequest, bool_field
 from kvdiag.sim.output_parser import ParserSetup
 from kvdiag.sim.tokenizer import tokenize
 
@@ -42,13 +42,6 @@ class ParsedRequest:
     named_tool: bool = False
 
 
-def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{key}' must be true or false")
-    return value
 
 
 def parse_tools(body: Mapping[str, Any]) -> ToolRequest:
@@ -102,9 +95,9 @@ def _chat_prompt(body: Mapping[str, Any], tools: ToolRequest) -> tuple[list[int]
     if kwargs is not None and not isinstance(kwargs, dict):
         raise BadRequest("'chat_template_kwargs' must be an object")
     try:
-        text = render_text(messages, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        text = render_text(messages, add_generation_prompt=bool_field(body, "add_generation_prompt", True),
                            tools=list(tools.tools) or None, chat_template_kwargs=kwargs,
-                           continue_final_message=_bool(body, "continue_final_message", False))
+                           continue_final_message=bool_field(body, "continue_final_message", False))
     except TemplateError as exc:
         raise BadRequest(str(exc)) from None
     return tokenize(text), kwargs or {}
@@ -160,12 +153,12 @@ def parse_request(config: EngineConfig, body: Any, kind: str) -> ParsedRequest:
     plan = make_plan(hint, tools, thinking_enabled=thinking, default_reasoning=reasoning,
                      default_style=config.tool_call_style)
     setup = ParserSetup(reasoning=kind == "chat" and config.reasoning_parser is not None, thinking=thinking,
-                        tools=keep_tools, include_reasoning=_bool(body, "include_reasoning", True),
+                        tools=keep_tools, include_reasoning=bool_field(body, "include_reasoning", True),
                         parallel=tools.parallel, reasoning_field=config.reasoning_field,
                         configured=kind == "chat" and (config.reasoning_parser is not None
                                                        or config.tool_call_parser is not None))
     return ParsedRequest(kind, prompt, max_tokens, params, stream=bool(body.get("stream", False)),
                          include_usage=isinstance(opts, dict) and bool(opts.get("include_usage")),
                          seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else 0,
-                         return_token_ids=_bool(body, "return_token_ids", False), plan=plan, setup=setup,
+                         return_token_ids=bool_field(body, "return_token_ids", False), plan=plan, setup=setup,
                          forced_tools=tools.choice in ("required", "named"), named_tool=tools.choice == "named")

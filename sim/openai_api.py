@@ -53,6 +53,16 @@ class BadRequest(ApiError, ValueError):
         super().__init__(message, 400, "BadRequestError")
 
 
+def bool_field(body: Any, key: str, default: bool) -> bool:
+    """A request body's boolean option (absent or null: ``default``); anything else is a 400 as in vLLM."""
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be true or false")
+    return value
+
+
 def error_object(message: str, status: int, kind: str) -> dict[str, Any]:
     """vLLM's ``ErrorResponse.error``."""
     return {"message": message, "type": kind, "param": None, "code": status}

@@ -15,17 +15,8 @@ from typing import Any
 from kvdiag.sim.chat_request import parse_tools
 from kvdiag.sim.chat_template import TemplateError, render_text
 from kvdiag.sim.config import EngineConfig
-from kvdiag.sim.openai_api import BadRequest
+from kvdiag.sim.openai_api import BadRequest, bool_field
 from kvdiag.sim.tokenizer import TokenizerError, detokenize, token_text, tokenize
-
-
-def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{key}' must be true or false")
-    return value
 
 
 def tokenize_response(config: EngineConfig, body: Any) -> dict[str, Any]:
@@ -41,20 +32,20 @@ def tokenize_response(config: EngineConfig, body: Any) -> dict[str, Any]:
             raise BadRequest("'chat_template_kwargs' must be an object")
         tools = body.get("tools")
         tool_list = list(parse_tools({"tools": tools}).tools) if tools else None  # [] is accepted here
-        _flag(body, "add_special_tokens", False)
+        bool_field(body, "add_special_tokens", False)
         try:
-            text = render_text(messages, add_generation_prompt=_flag(body, "add_generation_prompt", True),
+            text = render_text(messages, add_generation_prompt=bool_field(body, "add_generation_prompt", True),
                                tools=tool_list, chat_template_kwargs=kwargs,
-                               continue_final_message=_flag(body, "continue_final_message", False))
+                               continue_final_message=bool_field(body, "continue_final_message", False))
         except TemplateError as exc:
             raise BadRequest(str(exc)) from None
     elif isinstance(body.get("prompt"), str):
-        _flag(body, "add_special_tokens", True)
+        bool_field(body, "add_special_tokens", True)
         text = body["prompt"]
     else:
         raise BadRequest("give 'messages' (a chat) or 'prompt' (a string)")
     tokens = tokenize(text)
-    strs = [token_text(t) for t in tokens] if _flag(body, "return_token_strs", False) else None
+    strs = [token_text(t) for t in tokens] if bool_field(body, "return_token_strs", False) else None
     return {"count": len(tokens), "max_model_len": config.max_model_len, "tokens": tokens, "token_strs": strs}
 
 

@@ -23,10 +23,10 @@ import random
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, Protocol
 
 import aiohttp
 
@@ -287,12 +287,30 @@ async def run_workload(config: WorkloadConfig, plans: Sequence[ConversationPlan]
     """Run every conversation (turns in order, conversations concurrently) within ``config.duration_limit``."""
     config.validate()
     plans = list(plans) if plans is not None else make_plans(config)
+    return await run_conversations(config, plans, lambda session, log: WorkloadRunner(config, session, log=log),
+                                   client_log=client_log, stats_json=stats_json, what="workload")
+
+
+class ConversationRunner(Protocol):
+    """What run_conversations drives: conversations built from plans, run turn by turn, and their records."""
+
+    records: list[RequestRecord]
+
+    def new_conversation(self, plan: Any, index: int) -> Any: ...
+
+    async def run_conversation(self, conv: Any) -> None: ...
+
+
+async def run_conversations(config: WorkloadConfig, plans: Sequence[Any],
+                            make_runner: Callable[[aiohttp.ClientSession, ClientLogWriter], ConversationRunner], *,
+                            client_log: Path | None, stats_json: Path | None, what: str) -> WorkloadResult:
+    """Every plan as a conversation (concurrently, turns in order) within ``config.duration_limit``."""
     log = ClientLogWriter(client_log)
     result = WorkloadResult()
     started = time.perf_counter()
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            runner = WorkloadRunner(config, session, log=log)
+            runner = make_runner(session, log)
             tasks = [asyncio.create_task(runner.run_conversation(runner.new_conversation(p, i)))
                      for i, p in enumerate(plans)]
             try:
@@ -300,7 +318,7 @@ async def run_workload(config: WorkloadConfig, plans: Sequence[ConversationPlan]
                     await asyncio.gather(*tasks)
             except TimeoutError:
                 result.truncated = True
-                _logger.warning("workload stopped at the %.0f s duration limit", config.duration_limit)
+                _logger.warning("%s stopped at the %.0f s duration limit", what, config.duration_limit)
             finally:
                 for task in tasks:
                     task.cancel()

@@ -32,6 +32,8 @@ from kvdiag.schema.verdicts import Confidence, Verdict
 from kvdiag.sim.workload import ClientLogWriter, WorkloadRunner, write_request_stats
 from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig
 
+pytestmark = pytest.mark.slow  # minutes of real servers: `make test-fast` leaves it out
+
 TIMINGS = DemoTimings(decode_ttl=8.0, router_ttl=7.5, expired_read_gap=4.0, router_expired_gap=7.9)
 LONG, SHORT = 96, 24
 MODEL = "Qwen/Qwen3-32B"

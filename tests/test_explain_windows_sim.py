@@ -23,6 +23,8 @@ from kvdiag.diagnostics.turn_loader import load_turns
 from kvdiag.sim.workload import run_workload
 from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig
 
+pytestmark = pytest.mark.slow  # minutes of real servers: `make test-fast` leaves it out
+
 MODEL = "Qwen/Qwen3-32B"
 STOCK = ("prefill.log", "decode.log", "proxy.log", "client-stats.json")
 

@@ -35,6 +35,8 @@ from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import build_report, load_turn_table
 from kvdiag.diagnostics.turn_loader import UnreadableLogError, explain_conversation, load_turns
 
+pytestmark = pytest.mark.slow  # minutes of real servers: `make test-fast` leaves it out
+
 TS = "2026-11-20T10:00:{:02d}.{:09d}Z"
 PARTIAL = 120  # lines longer than this are cut into CRI partial pieces (kubelet cuts at 16 KiB)
 

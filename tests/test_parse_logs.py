@@ -145,6 +145,7 @@ def test_prefilter_system_grep_and_python_fallback_agree(tmp_path: Path, monkeyp
     assert fast[0][1] == lines[7].encode()
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=4000), st.sampled_from(["prefill.log", "proxy.log", "ev.jsonl", "stats.json", "x.gz"]))
 def test_fuzz_whole_pipeline_on_garbage_files(tmp_path: Path, data: bytes, name: str) -> None:

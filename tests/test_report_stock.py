@@ -315,6 +315,7 @@ def test_proxy_kinds_and_groups_match_the_parser(tmp_path: Path, rows: list[tupl
 
 
 # derandomize: the same examples on every CI run (300 random ones passed while this was written)
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), shapes=st.sets(st.sampled_from(sorted(set(KEEPS) - {"as generated", "gzip"})),
                                                    max_size=4), gz=st.booleans())

@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
+pytestmark = pytest.mark.slow  # minutes of real servers: `make test-fast` leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

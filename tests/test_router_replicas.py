@@ -31,6 +31,8 @@ from replica_support import (
 from kvdiag.router.security import store_key, tenant_of
 from kvdiag.router.store_cluster import ClusterStore
 
+pytestmark = pytest.mark.slow  # minutes of real servers: `make test-fast` leaves it out
+
 TENANTS = ("tenant-a", "tenant-b")
 
 

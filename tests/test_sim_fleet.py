@@ -142,6 +142,7 @@ async def test_the_fleet_command_serves_a_router_and_stops_on_sigterm(tmp_path: 
     assert "kvdiag router --prefiller-hosts 127.0.0.1 127.0.0.1" in log.read_text()
 
 
+@pytest.mark.slow
 async def test_bounded_fleet_benchmark_kv_aware_against_round_robin(tmp_path: Path) -> None:
     # The bounded version of BENCHMARKS.md's fleet table: fewer, shorter conversations and a D cache sized
     # to keep the same pressure; at time scale 0 the TTFT compared is the time model's, from the events.
