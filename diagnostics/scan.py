@@ -126,6 +126,27 @@ def grep_ere(path: str, ere: str, progress: ProgressFn | None = None) -> Iterato
     return grep_regex(path, re.compile(ere.encode("utf-8"), re.MULTILINE), progress)
 
 
+def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None = None) -> None:
+    """``grep -n`` of a POSIX extended regex into the file ``out`` ("N:line" per matching line), so the
+    kept lines never pass through Python; raises LogReadError."""
+    if GREP is None:
+        raise LogReadError(f"cannot read {path}: grep is not on PATH")
+    try:
+        with open(out, "wb") as fh:
+            done = subprocess.run([str(GREP), "-n", "-a", "-E", "-e", ere, "--", path], stdout=fh,
+                                  stderr=subprocess.PIPE, env={**os.environ, "LC_ALL": "C"}, check=False)
+    except OSError as exc:
+        raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if done.returncode > 1:  # 1 means "no line matched"
+        err = done.stderr.decode(errors="replace").strip()
+        raise LogReadError(f"cannot read {path}: {err or f'grep exit {done.returncode}'}")
+    if progress is not None:
+        try:
+            progress(os.path.getsize(path))
+        except OSError:
+            pass
+
+
 def head_lines(path: str, keywords: Sequence[bytes], limit: int) -> Iterator[tuple[int, bytes]]:
     """(line number, line) of the lines in the first ``limit`` bytes containing a keyword.
 

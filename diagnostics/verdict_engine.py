@@ -33,9 +33,9 @@ from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_facts import evidence_sql, facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
-from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
-from kvdiag.diagnostics.scan import GREP, grep_ere, grep_regex
+from kvdiag.diagnostics.scan import GREP, grep_ere, grep_ere_to_file, grep_regex
 from kvdiag.schema.errors import KVDiagError
 
 # vLLM lines the rules can read, by their message's first letters (after the header's "] "); grep keeps them
@@ -183,36 +183,101 @@ def vllm_lines(path: str, progress: Callable[[int], None] | None = None) -> Iter
     yield from grep_regex(path, re.compile(VLLM_PREFILTER.encode()), progress)
 
 
+def _grep_vllm(path: str, progress: Callable[[int], None] | None) -> str | list[tuple[int, bytes]]:
+    """The prefilter's lines of one vLLM log: a file of grep's "N:line" output (DuckDB reads it), or the
+    numbered lines when grep cannot run on it (no grep, a compressed file)."""
+    if GREP is None or path.endswith(".gz"):
+        return list(vllm_lines(path, progress))
+    fd, out = tempfile.mkstemp(prefix="kvdiag-vllm-", suffix=".txt")
+    os.close(fd)
+    try:
+        grep_ere_to_file(path, VLLM_PREFILTER, out, progress)
+    except BaseException:
+        os.unlink(out)
+        raise
+    return out
+
+
+def _csv_safe(path: str) -> bool:
+    """True when DuckDB's line reader splits ``path`` as grep numbered it: no carriage return (a line end
+    for DuckDB), no NUL and no \x01 (the reader's column delimiter)."""
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return all(mm.find(b) < 0 for b in (b"\r", b"\x00", b"\x01"))
+
+
+def _numbered(path: str) -> Iterator[tuple[int, bytes]]:
+    """grep's "N:line" output read back by Python (each line with its newline, as grep's pipe gives it)."""
+    for _n, raw in read_all_lines(path):
+        num, _, line = raw.partition(b":")
+        yield int(num), line + b"\n"
+
+
+def add_grep_output(run: Run, f: int, path: str) -> None:
+    """grep's "N:line" output for file ``f`` into its lines table: read by DuckDB where it splits the lines
+    as grep did and every line is valid UTF-8 and short enough to keep whole; by Python (add_lines, which
+    counts and notes such lines) otherwise."""
+    if os.path.getsize(path) == 0:
+        return
+    table = _TABLES[run.files[f].fmt]
+    if _csv_safe(path):
+        try:
+            run.con.execute(f"INSERT INTO {table} SELECT {f}, CAST(split_part(line, ':', 1) AS BIGINT), "
+                            f"substr(line, strpos(line, ':') + 1) FROM read_csv({ep.sql_str(path)}, {ep.CSV_LINES})")
+            # (decode_line keeps a line whole up to MAX_LINE_CHARS bytes, its newline included)
+            if not run.con.execute(f"SELECT count(*) FROM {table} WHERE f = {f} AND strlen(line) >= "
+                                   f"{MAX_LINE_CHARS}").fetchall()[0][0]:
+                return
+        except (duckdb.InvalidInputException, duckdb.ConversionException):
+            pass
+        run.con.execute(f"DELETE FROM {table} WHERE f = {f}")
+    add_lines(run, f, _numbered(path))
+
+
 def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
     """Every input line into the lines tables: whole JSON and proxy files by DuckDB (Python where it cannot),
-    vLLM logs through the prefilter (grep, beside DuckDB's scans)."""
+    vLLM logs through the prefilter (grep, beside DuckDB's scans, into a file DuckDB reads)."""
     engine_logs = [f for f, lf in enumerate(run.files) if lf.fmt == "vllm"]
     with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 4))) as pool:
-        kept = {f: pool.submit(lambda p: list(vllm_lines(p, progress)), run.files[f].path) for f in engine_logs}
-        for f, lf in enumerate(run.files):
-            if lf.fmt in ("unknown", "vllm"):
-                if lf.fmt == "unknown":
-                    run.stats.unrecognised_files.append(lf.path)
-                    if progress is not None:
-                        progress(lf.size)
-                continue
-            if lf.fmt == "client_stats" and is_json_document(lf.path):
-                add_document(run, f)
-                continue
-            if _plain(lf.path):
-                try:
-                    run.con.execute(ep.read_lines_sql(_TABLES[lf.fmt], f, lf.path))
-                    if progress is not None:
-                        progress(lf.size)
+        kept = {f: pool.submit(_grep_vllm, run.files[f].path, progress) for f in engine_logs}
+        try:
+            for f, lf in enumerate(run.files):
+                if lf.fmt in ("unknown", "vllm"):
+                    if lf.fmt == "unknown":
+                        run.stats.unrecognised_files.append(lf.path)
+                        if progress is not None:
+                            progress(lf.size)
                     continue
-                except (duckdb.InvalidInputException, duckdb.ConversionException):
-                    run.con.execute(f"DELETE FROM {_TABLES[lf.fmt]} WHERE f = {f}")  # invalid UTF-8: Python decodes
-            add_lines(run, f, read_all_lines(lf.path, progress))
-        for f, fut in kept.items():
-            try:
-                add_lines(run, f, fut.result())
-            except (OSError, EOFError) as exc:
-                raise LogReadError(f"cannot read {run.files[f].path}: {exc}") from None
+                if lf.fmt == "client_stats" and is_json_document(lf.path):
+                    add_document(run, f)
+                    continue
+                if _plain(lf.path):
+                    try:
+                        run.con.execute(ep.read_lines_sql(_TABLES[lf.fmt], f, lf.path))
+                        if progress is not None:
+                            progress(lf.size)
+                        continue
+                    except (duckdb.InvalidInputException, duckdb.ConversionException):
+                        # invalid UTF-8: Python decodes
+                        run.con.execute(f"DELETE FROM {_TABLES[lf.fmt]} WHERE f = {f}")
+                add_lines(run, f, read_all_lines(lf.path, progress))
+            for f, fut in kept.items():
+                try:
+                    got = fut.result()
+                    if isinstance(got, str):
+                        add_grep_output(run, f, got)
+                    else:
+                        add_lines(run, f, got)
+                except (OSError, EOFError) as exc:
+                    raise LogReadError(f"cannot read {run.files[f].path}: {exc}") from None
+        finally:
+            for fut in kept.values():  # every grep output file goes, whatever failed
+                try:
+                    got = fut.result()
+                except BaseException:  # reported above (or the failure in progress is)
+                    continue
+                if isinstance(got, str):
+                    with contextlib.suppress(OSError):
+                        os.unlink(got)
 
 
 def is_json_document(path: str) -> bool:
