@@ -11,7 +11,8 @@ compares, turn by turn:
 * ``wrong``: KV P loaded for other token ids (the sim's oracle; must be 0).
 
 Router modes: ``text`` (the default rule), ``text`` with P's exact mode on, ``verify`` (the router's
---verify-tokens), and the negative control ``full`` (the rule patched to inject D's whole handle,
+--verify-tokens), ``text-noprefix`` (the default rule with --no-tokenize-shared-prefix: turn
+boundaries only), and the negative control ``full`` (the rule patched to inject D's whole handle,
 P's exact mode off: the old proxy behaviour), which must load wrong KV.
 
     .venv/bin/python benchmarks/agent_reuse_bench.py [--seed 1] [--conversations 2] [--scale 1.0] [--json out.json]
@@ -91,10 +92,12 @@ class Mode:
     exact: bool = False        # P's exact mode (instrumented P reads only what D's digest proves)
     verify: bool = False       # the router's --verify-tokens
     full_handle: bool = False  # negative control: inject D's whole handle
+    shared_prefix: bool = True  # the router's --tokenize-shared-prefix (off: turn boundaries only)
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("text"), Mode("text+exact", exact=True), Mode("verify", verify=True), Mode("full", full_handle=True))}
+    Mode("text"), Mode("text+exact", exact=True), Mode("verify", verify=True), Mode("full", full_handle=True),
+    Mode("text-noprefix", shared_prefix=False))}
 
 
 @dataclass
@@ -115,6 +118,8 @@ class RunResult:
     outcomes: dict[str, int] = field(default_factory=dict)
     trim_reasons: dict[str, int] = field(default_factory=dict)
     trimmed: int = 0
+    shared_prefix: dict[str, int] = field(default_factory=dict)  # --tokenize-shared-prefix lookups by outcome
+    shared_prefix_ms: list[float] = field(default_factory=list)  # and what each took (the /tokenize calls)
     elapsed_s: float = 0.0
     short_turns: list[dict[str, Any]] = field(default_factory=list)  # turns far below perfect (why)
 
@@ -164,7 +169,8 @@ async def run_case(case: Case, mode: Mode, spec: AgentSpec, workdir: Path, *, st
         with full_handle_rule(mode.full_handle):
             router = await start_router(RouterConfig(
                 prefill=(Upstream("127.0.0.1", p.port),), decode=(Upstream("127.0.0.1", d.port),),
-                host="127.0.0.1", port=0, events_file=router_events, verify_tokens=mode.verify))
+                host="127.0.0.1", port=0, events_file=router_events, verify_tokens=mode.verify,
+                tokenize_shared_prefix=mode.shared_prefix))
             try:
                 config = WorkloadConfig(url=router.url, conversations=spec.conversations, concurrency=8,
                                         stream=stream, seed=spec.seed, duration_limit=1800.0, request_timeout=120.0)
@@ -182,6 +188,9 @@ async def run_case(case: Case, mode: Mode, spec: AgentSpec, workdir: Path, *, st
     out.steps = dict(Counter(str(r.event.attrs.get("scenario")) for r in result.records))
     events = {e.request_id: e for e in read_events(router_events) if e.event == "router_turn"}
     out.outcomes = dict(Counter(e.outcome or "none" for e in events.values()))
+    learned = [e.attrs for e in events.values() if "shared_prefix" in e.attrs]
+    out.shared_prefix = dict(Counter(str(a["shared_prefix"]) for a in learned))
+    out.shared_prefix_ms = [float(a["shared_prefix_ms"]) for a in learned if a["shared_prefix"] == "tokenized"]
     reasons: Counter[str] = Counter()
     for truth in oracle.turns:
         if truth.perfect_tokens is None or truth.request_id is None:
@@ -216,8 +225,11 @@ async def run_all(cases: tuple[Case, ...], modes: list[Mode], *, conversations: 
         spec = AgentSpec(profile=case.profile, conversations=conversations, seed=seed, scale=scale, prefix="bench")
         for mode in modes:
             res = await run_case(case, mode, spec, workdir / f"{case.profile}-{case.variant}-{mode.name}")
-            print(f"{res.case:32s} {res.mode:11s} requests {res.requests:4d} reused {res.reused:8d} perfect "
-                  f"{res.perfect:8d} share {res.share or 0:.3f} wrong {res.wrong} ({res.elapsed_s:.1f} s)",
+            ms = sorted(res.shared_prefix_ms)
+            learned = (f" shared-prefix {res.shared_prefix} (/tokenize p50 {ms[len(ms) // 2]:.2f} ms)" if ms
+                       else f" shared-prefix {res.shared_prefix}" if res.shared_prefix else "")
+            print(f"{res.case:32s} {res.mode:13s} requests {res.requests:4d} reused {res.reused:8d} perfect "
+                  f"{res.perfect:8d} share {res.share or 0:.3f} wrong {res.wrong}{learned} ({res.elapsed_s:.1f} s)",
                   file=sys.stderr, flush=True)
             results.append(res)
     return results
@@ -253,7 +265,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--conversations", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0, help="message and tool-output sizes times this")
-    parser.add_argument("--modes", default="text,text+exact,verify,full")
+    parser.add_argument("--modes", default="text,text+exact,verify,full",
+                        help=f"comma-separated, of {', '.join(MODES)} (text-noprefix: --no-tokenize-shared-prefix)")
     parser.add_argument("--cases", default="", help="comma-separated profile[:variant] (default: all)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

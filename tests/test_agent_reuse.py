@@ -156,3 +156,16 @@ async def test_the_oracle_reads_d_s_held_blocks(tmp_path: Path) -> None:
     finally:
         await p.close()
         await d.close()
+
+
+@pytest.mark.parametrize("profile", ["edits", "compaction"])
+async def test_shared_prefix_counts_recover_what_turn_boundaries_miss(profile: str, tmp_path: Path) -> None:
+    # An edited first user message or a compaction keeps only the system prompt, whose count no turn
+    # boundary carries: without --tokenize-shared-prefix those turns reuse nothing.
+    case = bench.Case(profile)
+    text, boundaries_only = await _run(case, "text", tmp_path), await _run(case, "text-noprefix", tmp_path)
+    _safe(text)
+    _safe(boundaries_only)
+    assert text.perfect == boundaries_only.perfect and text.reused > boundaries_only.reused
+    assert text.shared_prefix.get("tokenized", 0) > 0 and not boundaries_only.shared_prefix
+    assert set(text.shared_prefix) <= {"tokenized", "cached"}  # no failure on loopback
