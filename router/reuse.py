@@ -154,7 +154,10 @@ class ReuseGuard:
                             "not used", count)
             return Learned(injection, None, "inconsistent")
         learned = with_count(coverage, rung, count)
-        return Learned(self.inject(dataclasses.replace(handle, coverage=learned), view), learned, outcome)
+        again = self.inject(dataclasses.replace(handle, coverage=learned), view)
+        # A generation prompt can count more than the message after it, so a lower boundary may still win.
+        better = again.params is not None and again.decision.limit_tokens > injection.decision.limit_tokens
+        return Learned(again if better else injection, learned, outcome)
 
     async def tokenize(self, upstreams: Upstreams, index: int, body: Mapping[str, Any],
                        headers: dict[str, str]) -> list[int] | None:
