@@ -563,11 +563,14 @@ def next_rungs(coverage: Coverage | None, decision: Decision | None, view: Promp
             if reply is not None and reply.length < view.length and reply.length <= trusted:
                 kept.append(reply)
     if clean and view.clean:
-        marked = {r.length for r in kept}
-        # Counted later from this prompt's own rendering, so the reasoning rule applies then, not here.
-        kept += [Rung(p, view.digests[p], None, query=p > view.head) for p in view.clean
-                 if p not in marked and p in view.digests]
-        kept.sort(key=lambda r: r.length)
+        # Only past the kept boundaries (below them, an unmarked one was dropped for room before), and the
+        # system prompt's end. Counted later from this prompt's own rendering, so the reasoning rule
+        # applies then, not here.
+        top = kept[-1].length if kept else 0
+        added = [Rung(p, view.digests[p], None, query=p > view.head) for p in view.clean
+                 if (p > top or (p == view.head and not any(r.length == p for r in kept))) and p in view.digests]
+        if added:
+            kept = sorted(kept + added, key=lambda r: r.length)
     tokens = prompt_tokens if isinstance(prompt_tokens, int) and prompt_tokens > 0 else None
     query = view.kind == CHAT and view.length > 0 and view.last_query == view.length - 1
     return (*_retain(kept, max_rungs - 1, view.head), Rung(view.length, view.digest, tokens, query=query))
