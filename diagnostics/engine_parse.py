@@ -146,6 +146,8 @@ def _trimmed(col: str) -> str:
 
 # A line's trailing CR (a CRLF file read by Python keeps it): only such lines pay for the trim.
 _RTRIM_CR: Final = "CASE WHEN ends_with({0}, chr(13)) THEN rtrim({0}, chr(13)) ELSE {0} END"
+_RTRIM_EOL: Final = ("CASE WHEN ends_with(line, chr(13)) OR ends_with(line, chr(10)) "
+                     "THEN rtrim(line, chr(13) || chr(10)) ELSE line END")
 
 
 def parse_json_sql() -> list[str]:
@@ -277,6 +279,8 @@ def _between(start: str, end: str | None) -> str:
 # class excludes (a space for conversation ids, "]" for request ids, a letter for numbers). The rest are
 # extracted by their pattern.
 _RID: Final = _between("[", "]")
+_AFTER_CONV: Final = "substr(msg, strpos(msg, '] conv=') + 7)"
+_AFTER_MISS: Final = f"substr({_AFTER_CONV}, strpos({_AFTER_CONV}, ': cache MISS') + 12)"
 _PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
     "stale": {"conv": _between("conv=", ": stale cache entry (age="),
               "age": _between(": stale cache entry (age=", "s"), "ttl": _between(" > ttl=", "s")},
@@ -290,8 +294,15 @@ _PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
     "prefill_done": {"rid": _RID, "ms": _between("] Prefill done in ", "m")},
     "prefill_failed": {"rid": _RID, "detail": _between("] Prefill request failed: ", None)},
     "decode_failed": {"rid": _RID, "detail": _between("] Decode request failed: ", None)},
+    # "cache MISS" then, optionally, " (why)": the why ends at the first ")" ('' is no why)
+    "miss": {"rid": _RID, "conv": _between("] conv=", ": cache MISS"),
+             "why": "CASE WHEN starts_with(mw, ' (') AND strpos(substr(mw, 3), ')') > 0 THEN nullif(split_part("
+                    "substr(mw, 3), ')', 1), '') END".replace("mw", _AFTER_MISS)},
 }
-_MISS_WHY: Final = re.compile(r"^\[[^\]]+\] conv=\S+?: cache MISS \((?P<why>[^)]*)\)")
+_PROXY_MSG: Final = "(?P<msg>.*)$"
+if not PROXY_RE.pattern.endswith(_PROXY_MSG):
+    raise ValueError("PROXY_RE must end with its message group (the head check cuts it off)")
+PROXY_HEAD_RE: Final = re.compile(PROXY_RE.pattern[:-len(_PROXY_MSG)])
 
 
 def _marker(regex: re.Pattern[str]) -> str:
@@ -314,8 +325,6 @@ def parse_proxy_sql() -> list[str]:
                 continue
             if name in _PROXY_CUTS.get(kind, {}):
                 value = _PROXY_CUTS[kind][name]
-            elif kind == "miss" and name == "why":
-                value = f"nullif(regexp_extract(msg, {sql_str(_re2(_MISS_WHY))}, 1), '')"
             else:
                 # regexp_extract gives '' for a group that took no part: an optional group's '' is no value
                 value = f"regexp_extract(msg, {sql_str(_re2(regex))}, {regex.groupindex[name]})"
@@ -323,21 +332,25 @@ def parse_proxy_sql() -> list[str]:
             whens.append(f"WHEN {i} THEN {value}")
         fields.append(f"CASE k {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
-    head = sql_str(_re2(PROXY_RE))
+    # PROXY_RE up to its message: a line holds no newline, so "(?P<msg>.*)$" matches whatever follows (and
+    # RE2 stops at the prefix instead of scanning to the end)
+    head = sql_str(_re2(PROXY_HEAD_RE))
     # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message
     rest = "substr(t, strpos(t, '] ') + 2)"
     return [
-        # seq orders the lines: files in reading order, then lines
-        f"""CREATE TEMP TABLE pl AS SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
-              SELECT f, n, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
-              FROM (SELECT *, CASE {' '.join(kinds)} END AS k FROM (
-                SELECT f, n, left(t, 19) AS ts,
+        # seq orders the lines: files in reading order, then lines. The kind is computed once (a materialized
+        # step): as a filter and a column, DuckDB would run its patterns twice.
+        f"""CREATE TEMP TABLE pl AS
+            WITH m AS (SELECT f, n, left(t, 19) AS ts,
                   substr(t, strpos(t, ' [') + 2, strpos(t, '] ') - strpos(t, ' [') - 2) AS level,
                   substr({rest}, strpos({rest}, ': ') + 2) AS msg, left(substr({rest}, strpos({rest}, ': ') + 2), 1)
                     AS lead
                 FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
-                WHERE regexp_matches(t, {head})))
-              WHERE k IS NOT NULL)""",
+                WHERE regexp_matches(t, {head})),
+            c AS MATERIALIZED (SELECT *, CASE {' '.join(kinds)} END AS k FROM m)
+            SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
+              SELECT f, n, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
+              FROM c WHERE k IS NOT NULL)""",
     ]
 
 
@@ -470,7 +483,7 @@ def parse_vllm_sql() -> list[str]:
     return [
         f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, regexp_matches(t, {_STD_HEADER}) AS std
             FROM (SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
-                  FROM (SELECT f, n, rtrim(line, chr(13) || chr(10)) AS t0 FROM lines_vllm WHERE line IS NOT NULL))
+                  FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
             WHERE length(t) < {MAX_LINE_CHARS}
               AND CASE WHEN regexp_matches(t, {_STD_HEADER}) THEN true ELSE regexp_matches(t, {header}) END""",
         # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position; any other

@@ -154,6 +154,35 @@ def test_vllm_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, st
             (rec.msg, got[rec.lineno])
 
 
+_PROXY_TEXT = st.text(st.sampled_from("ab9_-.:()=x/é [s"), min_size=0, max_size=10)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from([
+    "[{r}] conv={c}: cache MISS", "[{r}] conv={c}: cache MISS ({w})", "[{r}] conv={c}: cache MISS ({w}",
+    "[{r}] conv={c}: cache MISS{w}", "conv={c}: cache HIT (age=1.5s)", "conv={c}: stale cache entry (age=9.0s > "
+    "ttl=4.5s), discarding", "conv={c}: cached D blocks (remote_request_id={w}, blocks=3)", "[{r}] conv={c}: sending "
+    "D's cached blocks to P (remote_request_id={w})", "[{r}] Prefill done in 12ms", "[{r}] conv={c}: no D-to-P handle "
+    "offered", "[{r}] No conversation_id provided", "[{r}] Prefill request failed: {w}", "conv={c}: cache MISS ({w})",
+    "[{r}] conv={c}: not caching D blocks{w}", "Ready: 1 prefill, 2 decode instances"]),
+    _PROXY_TEXT, _PROXY_TEXT, _PROXY_TEXT), min_size=1, max_size=10))
+def test_proxy_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, str, str, str]]) -> None:
+    """Every kind and group the engine cuts by position equals the proxy parser's (ids with odd characters)."""
+    lines = [f"2025-11-29 06:55:00 [INFO] disagg_proxy: {t.format(r=r, c=c, w=w)}" for t, r, c, w in rows]
+    path = tmp_path / "proxy.log"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    con, loaded = _engine([path])
+    # (a why of '' is no why: the rules read both alike)
+    got = {row[0]: row[1:] for row in con.execute(
+        "SELECT n, kind, rid, conv, remote, age, ttl, nullif(why, ''), ms, detail, blocks FROM pl").fetchall()}
+    want = {}
+    for prec in parse_proxy_numbered(loaded[0], str(path)):
+        fl = prec.fields
+        want[prec.lineno] = (prec.kind, fl.get("rid"), fl.get("conv"), fl.get("remote"), fl.get("age"), fl.get("ttl"),
+                             fl.get("why") or None, fl.get("ms"), fl.get("detail"), fl.get("blocks"))
+    assert got == want
+
+
 @pytest.mark.parametrize("line", ["plain", "caf\xe9 \u2603"])
 def test_lines_are_numbered_as_grep_numbers_them(tmp_path: Path, line: str) -> None:
     path = tmp_path / "x.log"
