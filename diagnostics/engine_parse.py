@@ -156,10 +156,12 @@ def parse_json_sql() -> list[str]:
     objects = (f"SELECT f, n, t FROM (SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) "
                "WHERE starts_with(t, '{') AND json_valid(t)")
     return [
+        # each line checked and its keys listed once (events and statistics both read them)
+        f"CREATE TEMP TABLE jobj AS SELECT f, n, t, json_keys(t) AS k FROM ({objects})",
         # the key lists are few: check each once
         f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(k, 'v') AND list_contains(k, 'source')
               AND list_contains(k, 'event') AS is_event, list_has_all([{keys}], k) AS known
-            FROM (SELECT DISTINCT json_keys(t) AS k FROM ({objects}))""",
+            FROM (SELECT DISTINCT k FROM jobj)""",
         # (no text column: evidence is looked up on the lines, for the turns explain prints)
         f"""CREATE TEMP TABLE ev AS SELECT f, n, NULL::VARCHAR AS text,
               {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
@@ -170,7 +172,7 @@ def parse_json_sql() -> list[str]:
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
                    THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
               jk.known AND {_event_ok()} AS ok
-            FROM (SELECT o.*, from_json(o.t, '{_EVENT_SCHEMA}') AS j, json_keys(o.t) AS k FROM ({objects}) o) x
+            FROM (SELECT o.*, from_json(o.t, '{_EVENT_SCHEMA}') AS j FROM jobj o) x
             JOIN jk USING (k) WHERE jk.is_event""",
         # everything else json_logs reads itself: not an object, an event the checks reject
         f"""CREATE TEMP TABLE json_odd AS
@@ -189,9 +191,10 @@ def parse_json_sql() -> list[str]:
               {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
               CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub
-            FROM (SELECT o.f, o.n, o.t, from_json(o.t, '{_STAT_SCHEMA}') AS s FROM ({objects}) o
-                  JOIN jk ON jk.k = json_keys(o.t) WHERE NOT jk.is_event)
+            FROM (SELECT o.f, o.n, o.t, from_json(o.t, '{_STAT_SCHEMA}') AS s FROM jobj o
+                  JOIN jk USING (k) WHERE NOT jk.is_event)
             WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
+        "DROP TABLE jobj",
     ]
 
 
