@@ -410,7 +410,7 @@ def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | No
         detected = detect(files)
     except LogReadError as exc:
         raise UnreadableLogError(str(exc)) from None
-    run = run_all(detected, progress)
+    run = run_all(detected, progress, evidence=False)
     try:
         # the benchmark's own clock gives a gap to 3 decimals as Python rounds it (explain's records do the same)
         run.con.execute(f"CREATE TEMP TABLE raw_turns AS SELECT {_ENGINE_RAW}, ev_gap_s IS NULL AND prev_sid IS NOT "

@@ -251,16 +251,17 @@ def _evidence(items: tuple[str, ...]) -> str:
     return "list_filter(" + (" || ".join(parts) if parts else "[]") + ", lambda x: x IS NOT NULL)"
 
 
-def decide_sql(source: str, keep: Sequence[str]) -> str:
+def decide_sql(source: str, keep: Sequence[str], *, evidence: bool = True) -> str:
     """One SELECT over ``source`` (the turns' facts): the columns in ``keep``, and each turn's rule, verdict,
-    confidence, reason and evidence, and the columns a rule states itself."""
+    confidence, reason and evidence, and the columns a rule states itself. Without ``evidence`` the
+    evidence column is NULL (the turn table reads none)."""
     pick = " ".join(f"WHEN {r.when} THEN {i}" for i, r in enumerate(RULES))
 
     def by_rule(attr: str) -> str:
         return "CASE rule_no " + " ".join(f"WHEN {i} THEN {getattr(r, attr)}" for i, r in enumerate(RULES)) + " END"
 
-    evidence = "CASE rule_no " + " ".join(f"WHEN {i} THEN {_evidence(r.evidence)}" for i, r in enumerate(RULES)) + \
-        " END"
+    evidence_sql = "CASE rule_no " + " ".join(f"WHEN {i} THEN {_evidence(r.evidence)}" for i, r in enumerate(RULES)) \
+        + " END"
     sets = sorted({k for r in RULES for k in r.sets})
     overrides = ", ".join(
         f"CASE rule_no {' '.join(f'WHEN {i} THEN {r.sets[k]}' for i, r in enumerate(RULES) if k in r.sets)} "
@@ -272,17 +273,20 @@ def decide_sql(source: str, keep: Sequence[str]) -> str:
     retried = RETRIED.format(reason="r0")
     answered = ANSWERED.format(reason="r0")
     windows = ", ".join(str(i) for i, r in enumerate(RULES) if r.windows)
+    ev0 = f"{evidence_sql} AS ev0, " if evidence else ""
+    evidence_out = """ev0 || CASE WHEN NOT wf THEN [] WHEN failed_why IS NOT NULL THEN list_filter([failed_ref],
+                lambda x: x IS NOT NULL)
+              WHEN p_kvfail IS NOT NULL AND answered THEN list_filter([p_kvfail, CASE WHEN NOT has_ev
+                THEN answer_proof END], lambda x: x IS NOT NULL) ELSE [] END""" if evidence else "NULL::BIGINT[]"
     return f"""
 WITH picked AS (SELECT *, CASE {pick} END AS rule_no FROM {source}),
 said AS (SELECT *, {by_rule('verdict')} AS verdict, {by_rule('confidence')} AS confidence, {reason} AS r0,
-           {evidence} AS ev0, {by_rule('with_failure')} AS wf FROM picked)
+           {ev0}{by_rule('with_failure')} AS wf FROM picked)
 SELECT {', '.join(c for c in keep if c not in sets and c not in _DECIDED)}, {overrides},
   CASE WHEN NOT wf THEN r0 WHEN failed_why IS NOT NULL THEN {failing}
        WHEN p_kvfail IS NOT NULL AND answered THEN CASE WHEN has_ev THEN {retried} ELSE {answered} END
        ELSE r0 END AS reason,
-  ev0 || CASE WHEN NOT wf THEN [] WHEN failed_why IS NOT NULL THEN list_filter([failed_ref], lambda x: x IS NOT NULL)
-              WHEN p_kvfail IS NOT NULL AND answered THEN list_filter([p_kvfail, CASE WHEN NOT has_ev
-                THEN answer_proof END], lambda x: x IS NOT NULL) ELSE [] END AS evidence,
+  {evidence_out} AS evidence,
   rule_no IN ({windows or '-1'}) AS wants_windows,
   {[r.name for r in RULES]}[rule_no + 1] AS rule, verdict, confidence
 FROM said"""

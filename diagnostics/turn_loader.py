@@ -122,10 +122,12 @@ def _reading() -> Iterator[None]:
         raise UnreadableLogError(f"cannot read a log: {exc}") from None
 
 
-def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows: bool = True) -> engine.Run:
+def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows: bool = True,
+            evidence: bool = True) -> engine.Run:
     """Every input through the engine, P's stats windows read where a turn waits for them (the caller
-    closes ``run.con``)."""
+    closes ``run.con``); without ``evidence`` no turn keeps its evidence refs (the turn table reads none)."""
     run = engine.new_run(files)
+    run.evidence = evidence
     with _reading():
         engine.load_files(run, _Progress(sum(f.size for f in files), progress, 1))
         engine.parse(run)

@@ -63,6 +63,7 @@ class Run:
     con: duckdb.DuckDBPyConnection
     stats: LineStats = field(default_factory=LineStats)
     only: str | None = None
+    evidence: bool = True  # each turn's evidence refs (explain prints them; the turn table reads none)
     timings: list[tuple[str, float, float]] = field(default_factory=list)  # KVDIAG_PROFILE: (statement, wall, cpu)
 
     @property
@@ -430,7 +431,7 @@ def _decide_with_windows(run: Run) -> None:
         coalesce(w.w_recovered, false) AS w_recovered, w.w_caching_ref
       FROM tf LEFT JOIN wfind w ON w.rid = tf.px_rid""")
     keep = (*RECORD_COLUMNS, "sid", "px_rid")
-    run.con.execute("CREATE OR REPLACE TEMP TABLE decided AS " + decide_sql("tfw", keep))
+    run.con.execute("CREATE OR REPLACE TEMP TABLE decided AS " + decide_sql("tfw", keep, evidence=run.evidence))
 
 
 def wanted_windows(run: Run) -> list[str]:
