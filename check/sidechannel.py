@@ -35,6 +35,10 @@ class SideChannelError(KVDiagError):
     """The side channel did not give a clock reading; the message says why."""
 
 
+class SideChannelTimeout(SideChannelError):
+    """The side channel accepted the connection but did not answer in time."""
+
+
 @dataclass(frozen=True)
 class RemoteClock:
     """``remote perf_counter - local perf_counter`` (at the call's midpoint), with its uncertainty."""
@@ -95,6 +99,8 @@ def _zmq_clock_blocking(host: str, port: int, timeout: float) -> RemoteClock:
         sock.send(_GET_META)
         parts = sock.recv_multipart()
         end = time.perf_counter()
+    except zmq.Again:
+        raise SideChannelTimeout(f"no ZMQ handshake answer from {host}:{port} within {timeout:g} s") from None
     except zmq.ZMQError as exc:
         raise SideChannelError(f"no ZMQ handshake answer from {host}:{port} ({exc})") from None
     finally:
@@ -129,9 +135,17 @@ async def sniff_protocol(host: str, port: int, wait: float = 0.5) -> str:
     raise SideChannelError(f"{host}:{port} spoke first with {first!r}: neither vLLM's ZMQ nor the sim's HTTP")
 
 
+ZMQ_ATTEMPTS = 3
+
+
 async def remote_clock(session: aiohttp.ClientSession, host: str, port: int, timeout: float = 3.0) -> RemoteClock:
     """The engine's scheduler clock via its side channel (vLLM's ZMQ handshake, or the sim's HTTP one)."""
     if await sniff_protocol(host, port) == "zmq":
+        # vLLM answers from one listener thread of a busy engine process: a single slow answer is not
+        # "unreachable". A fresh REQ socket per attempt (a REQ that timed out cannot send again).
+        for _ in range(ZMQ_ATTEMPTS - 1):
+            with contextlib.suppress(SideChannelTimeout):
+                return await asyncio.to_thread(_zmq_clock_blocking, host, port, timeout)
         return await asyncio.to_thread(_zmq_clock_blocking, host, port, timeout)
     return await _http_clock(session, host, port, timeout)
 
