@@ -32,7 +32,7 @@ from kvdiag.diagnostics.engine_parse import sql_str
 PREFILL_KINDS: Final = ("declining_expired", "skip_remote_pull")
 
 MACROS: Final = (
-    # vllm_log.header_request_id: drop a "-<8 alphanumerics>" suffix, then a chatcmpl-/cmpl- prefix
+    # schema.request_ids.header_request_id: drop a "-<8 alphanumerics>" suffix, then a chatcmpl-/cmpl- prefix
     """CREATE OR REPLACE TEMP MACRO ext_id(x) AS CASE WHEN length(x) > 9 AND substr(x, length(x) - 8, 1) = '-'
          AND regexp_full_match(right(x, 8), '[0-9a-zA-Z]{8}') THEN left(x, length(x) - 9) ELSE x END""",
     """CREATE OR REPLACE TEMP MACRO hrid(x) AS CASE WHEN starts_with(ext_id(x), 'chatcmpl-') THEN substr(ext_id(x), 10)

@@ -36,8 +36,8 @@ from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
 from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, head_lines
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
-from kvdiag.diagnostics.vllm_log_parser import header_request_id
 from kvdiag.schema.errors import KVDiagError
+from kvdiag.schema.request_ids import header_request_id
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)

@@ -292,22 +292,3 @@ def _finish(rec: VllmRecord) -> None:
     if kind is None and "\n" in rec.msg:
         kind, fields = classify_message(rec.msg)
     rec.kind, rec.fields = kind, fields
-
-
-_SUFFIX_RE: Final = re.compile(r"[0-9a-zA-Z]{8}")
-
-
-def external_id(request_id: str) -> str:
-    """vLLM's external id: the internal id without its ``-<8 chars>`` randomisation suffix."""
-    if len(request_id) > 9 and request_id[-9] == "-" and _SUFFIX_RE.fullmatch(request_id, len(request_id) - 8):
-        return request_id[:-9]
-    return request_id
-
-
-def header_request_id(request_id: str) -> str:
-    """The X-Request-Id behind an engine id: drop the ``chatcmpl-``/``cmpl-`` prefix and the suffix."""
-    ext = external_id(request_id)
-    for prefix in ("chatcmpl-", "cmpl-"):
-        if ext.startswith(prefix):
-            return ext[len(prefix):]
-    return ext

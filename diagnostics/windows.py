@@ -33,7 +33,8 @@ from typing import Final
 from kvdiag.diagnostics.detect import rotation_base
 from kvdiag.diagnostics.json_logs import EventRecord
 from kvdiag.diagnostics.proxy_log_parser import ProxyRecord, wall_clock
-from kvdiag.diagnostics.vllm_log_parser import VllmRecord, header_request_id
+from kvdiag.diagnostics.vllm_log_parser import VllmRecord
+from kvdiag.schema.request_ids import header_request_id
 from kvdiag.schema.verdicts import Verdict
 
 CLOCK_SLACK_S: Final = 1.0  # the proxy's and P's clocks may differ by this much (both log whole seconds)

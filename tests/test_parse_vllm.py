@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.vllm_log_parser import classify_message, external_id, header_request_id, parse_vllm_log
+from kvdiag.diagnostics.vllm_log_parser import classify_message, parse_vllm_log
+from kvdiag.schema.request_ids import external_id, header_request_id
 
 FIXTURE = Path(__file__).parent / "fixtures" / "logs" / "vllm_real_lines.log"
 
