@@ -30,52 +30,32 @@ def _first(expr: str, order: str, where: str) -> str:
     return f"arg_min({expr}, {order}) FILTER (WHERE {where})"
 
 
+# the event columns ev_facts and decider read (tev_r carries no others: it holds a row per turn event)
+_TEV_COLUMNS: Final = tuple(dict.fromkeys(("f", "n", "ts", "status", "http_status", "outcome", "reason",
+                                           "engine_request_id", "remote_read_tokens", "duration_ms",
+                                           *EVENT_NUMBERS)))
+
+
 def facts_sql() -> list[str]:
     """The statements that build ``turn_facts`` (after engine_join)."""
-    failed = ", ".join(map(sql_str, FAILED_STATUSES))
-    numbers = ",\n  ".join(f"{_first(c, 'o', f'grp < 3 AND {c} IS NOT NULL')} AS e_{c}" for c in EVENT_NUMBERS)
+    cols = ", ".join(f"e.{c}" for c in _TEV_COLUMNS)
     return [
         # a turn's events in the order the rules read them: client, router, P (each in file order), D
         f"""CREATE TEMP TABLE tev_r AS
-           SELECT e.*, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp,
+           SELECT {cols}, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp,
              (CASE e.source WHEN 'client' THEN 0 ELSE 1 END::BIGINT << 58) + (coalesce(t.pass, 3)::BIGINT << 54)
                + {REF.replace('f', 'e.f').replace('+ n', '+ e.n')} AS o
            FROM ev_slot s JOIN ev e USING (f, n) LEFT JOIN tev t USING (f, n)
-           UNION ALL SELECT e.*, s.sid, CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END,
+           UNION ALL SELECT {cols}, s.sid, CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END,
              (CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END::BIGINT << 58) + {REF.replace('f', 'e.f').replace(
                  '+ n', '+ e.n')}
            FROM eng_slot s JOIN ev e USING (f, n)""",
-        f"""CREATE TEMP TABLE ev_facts AS SELECT sid,
-              count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events,
-              bool_or(grp = 0 AND status = 'ok') AS client_ok,
-              {_first(REF, 'o', "grp = 0 AND status = 'ok'")} AS client_ok_ref,
-              {_first('ts', 'o', 'grp < 3')} AS e_ts,
-              {numbers},
-              {_first('remote_read_tokens', 'o', 'grp < 3 AND remote_read_tokens IS NOT NULL')} AS e_remote_tokens,
-              {_first('duration_ms', 'o', 'grp < 3 AND duration_ms IS NOT NULL')} AS e_latency_ms,
-              {_first('ttft_ms', 'o', 'grp = 0 AND ttft_ms IS NOT NULL')} AS c_ttft_ms,
-              {_first('prompt_tokens', 'o', 'grp = 0 AND prompt_tokens IS NOT NULL')} AS c_prompt_tokens,
-              {_first('completion_tokens', 'o', 'grp = 0 AND completion_tokens IS NOT NULL')} AS c_completion_tokens,
-              {_first('duration_ms', 'o', 'grp = 0 AND duration_ms IS NOT NULL')} AS c_latency_ms,
-              arg_max(status, o) FILTER (WHERE grp = 0 AND status IS NOT NULL) AS c_status,
-              arg_max(status, o) FILTER (WHERE grp < 3 AND status IS NOT NULL AND status <> 'ok') AS bad_status,
-              {_first('status', 'o', 'grp < 3 AND status IS NOT NULL')} AS first_status,
-              arg_max(engine_request_id, o) FILTER (WHERE grp = 2 AND engine_request_id <> '') AS prefill_request_id,
-              arg_max(engine_request_id, o) FILTER (WHERE grp = 3 AND engine_request_id <> '') AS decode_request_id,
-              {_first("'status=' || status || CASE WHEN coalesce(http_status, 0) <> 0 THEN ', HTTP ' || http_status "
-                      "ELSE '' END", 'o', f'grp IN (0, 1) AND status IN ({failed})')} AS ev_failed_why,
-              {_first(REF, 'o', f'grp IN (0, 1) AND status IN ({failed})')} AS ev_failed_ref,
-              -- the deciding event (the router's first outcome, unless only inferred while P states one; then P's;
-              -- then the client's)
-              {_first('o', 'o', 'grp = 1 AND outcome IS NOT NULL')} AS r_first,
-              {_first('outcome', 'o', 'grp = 1 AND outcome IS NOT NULL')} AS r_outcome,
-              {_first("starts_with(coalesce(reason, ''), 'inferred')", 'o', 'grp = 1 AND outcome IS NOT NULL')}
-                AS r_inferred,
-              {_first('o', 'o', f'grp = 2 AND {_KNOWN}')} AS p_known,
-              {_first('o', 'o', 'grp = 2 AND outcome IS NOT NULL')} AS p_first,
-              {_first('o', 'o', 'grp = 0 AND outcome IS NOT NULL')} AS c_first,
-              (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os
-            FROM tev_r GROUP BY sid""",
+        # turns with more than one client or router event, or with engine events (few): aggregated; the others
+        # pair their client and router event by a join (35 FILTERed aggregates per turn cost several seconds)
+        """CREATE TEMP TABLE tev_multi AS SELECT sid FROM tev_r GROUP BY sid
+           HAVING count(*) FILTER (WHERE grp = 0) > 1 OR count(*) FILTER (WHERE grp = 1) > 1
+             OR count(*) FILTER (WHERE grp >= 2) > 0""",
+        _ev_facts_sql(),
         f"""CREATE TEMP TABLE decider AS
            WITH pick AS (SELECT sid, eng_os, CASE
                WHEN r_first IS NOT NULL AND r_inferred AND p_known IS NOT NULL THEN p_known
@@ -186,6 +166,65 @@ def facts_sql() -> list[str]:
                         max((cs.f::BIGINT << 40) + cs.n) AS ref
                       FROM cs_slot JOIN cs USING (f, n, sub) GROUP BY cs_slot.sid) c USING (sid)""",
     ]
+
+
+def _ev_fact_specs() -> list[tuple[str, str, str, str]]:
+    """(column, how, value, where) of ``ev_facts``: how is ``first`` / ``last`` (the value of the first / last
+    event in the turn's order ``o`` among those where ``where`` holds and the value is not NULL) or ``any``."""
+    failed = ", ".join(map(sql_str, FAILED_STATUSES))
+    return [
+        ("client_ok", "any", "true", "grp = 0 AND status = 'ok'"),
+        ("client_ok_ref", "first", REF, "grp = 0 AND status = 'ok'"),
+        ("e_ts", "first", "ts", "grp < 3"),
+        *((f"e_{c}", "first", c, f"grp < 3 AND {c} IS NOT NULL") for c in EVENT_NUMBERS),
+        ("e_remote_tokens", "first", "remote_read_tokens", "grp < 3 AND remote_read_tokens IS NOT NULL"),
+        ("e_latency_ms", "first", "duration_ms", "grp < 3 AND duration_ms IS NOT NULL"),
+        ("c_ttft_ms", "first", "ttft_ms", "grp = 0 AND ttft_ms IS NOT NULL"),
+        ("c_prompt_tokens", "first", "prompt_tokens", "grp = 0 AND prompt_tokens IS NOT NULL"),
+        ("c_completion_tokens", "first", "completion_tokens", "grp = 0 AND completion_tokens IS NOT NULL"),
+        ("c_latency_ms", "first", "duration_ms", "grp = 0 AND duration_ms IS NOT NULL"),
+        ("c_status", "last", "status", "grp = 0 AND status IS NOT NULL"),
+        ("bad_status", "last", "status", "grp < 3 AND status IS NOT NULL AND status <> 'ok'"),
+        ("first_status", "first", "status", "grp < 3 AND status IS NOT NULL"),
+        ("prefill_request_id", "last", "engine_request_id", "grp = 2 AND engine_request_id <> ''"),
+        ("decode_request_id", "last", "engine_request_id", "grp = 3 AND engine_request_id <> ''"),
+        ("ev_failed_why", "first", "'status=' || status || CASE WHEN coalesce(http_status, 0) <> 0 THEN ', HTTP ' "
+         "|| http_status ELSE '' END", f"grp IN (0, 1) AND status IN ({failed})"),
+        ("ev_failed_ref", "first", REF, f"grp IN (0, 1) AND status IN ({failed})"),
+        # the deciding event (the router's first outcome, unless only inferred while P states one; then P's;
+        # then the client's)
+        ("r_first", "first", "o", "grp = 1 AND outcome IS NOT NULL"),
+        ("r_outcome", "first", "outcome", "grp = 1 AND outcome IS NOT NULL"),
+        ("r_inferred", "first", "starts_with(coalesce(reason, ''), 'inferred')", "grp = 1 AND outcome IS NOT NULL"),
+        ("p_known", "first", "o", f"grp = 2 AND {_KNOWN}"),
+        ("p_first", "first", "o", "grp = 2 AND outcome IS NOT NULL"),
+        ("c_first", "first", "o", "grp = 0 AND outcome IS NOT NULL"),
+    ]
+
+
+def _ev_facts_sql() -> str:
+    """``ev_facts``: aggregated over the events of the turns in ``tev_multi``; for every other turn (at most one
+    client and one router event) the client's row joined to the router's, which gives the same values: the
+    client's event comes first in ``o``, and arg_min/arg_max skip NULL values as the CASE below does."""
+    specs = _ev_fact_specs()
+    agg = {"first": "arg_min({v}, o) FILTER (WHERE {w})", "last": "arg_max({v}, o) FILTER (WHERE {w})",
+           "any": "bool_or({w})"}
+    aggregated = ",\n  ".join(agg[how].format(v=v, w=w) + f" AS {c}" for c, how, v, w in specs)
+    per_row = ", ".join(f"{w} AS {c}" if how == "any" else f"CASE WHEN {w} THEN {v} END AS {c}"
+                        for c, how, v, w in specs)
+    pair = {"first": "coalesce(c.{c}, r.{c})", "last": "coalesce(r.{c}, c.{c})",
+            # bool_or: NULL when no row says true or false
+            "any": "CASE WHEN c.{c} IS NOT NULL OR r.{c} IS NOT NULL THEN coalesce(c.{c}, false) "
+                   "OR coalesce(r.{c}, false) END"}
+    paired = ",\n  ".join(pair[how].format(c=c) + f" AS {c}" for c, how, _v, _w in specs)
+    return f"""CREATE TEMP TABLE ev_facts AS
+      WITH c AS (SELECT sid, {per_row} FROM tev_r WHERE grp = 0 AND sid NOT IN (SELECT sid FROM tev_multi)),
+      r AS (SELECT sid, {per_row} FROM tev_r WHERE grp = 1 AND sid NOT IN (SELECT sid FROM tev_multi))
+      SELECT coalesce(c.sid, r.sid) AS sid, true AS has_events, {paired}, NULL::BIGINT[] AS eng_os
+      FROM c FULL JOIN r ON c.sid = r.sid
+      UNION ALL SELECT sid, count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events, {aggregated},
+        (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os
+      FROM tev_r WHERE sid IN (SELECT sid FROM tev_multi) GROUP BY sid"""
 
 
 _WS: Final = "' \t\r\n\x0b\x0c'"
