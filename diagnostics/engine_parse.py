@@ -174,11 +174,11 @@ def parse_json_sql() -> list[str]:
               jk.known AND {_event_ok()} AS ok
             FROM (SELECT o.*, from_json(o.t, '{_EVENT_SCHEMA}') AS j FROM jobj o) x
             JOIN jk USING (k) WHERE jk.is_event""",
-        # everything else json_logs reads itself: not an object, an event the checks reject
+        # everything else json_logs reads itself: not an object (a line jobj lacks: no second JSON check), an
+        # event the checks reject
         f"""CREATE TEMP TABLE json_odd AS
-            SELECT f, n, line FROM lines_json WHERE line IS NOT NULL
-              AND NOT (starts_with({_trimmed('line')}, '{{') AND json_valid({_trimmed('line')}))
-              AND {_trimmed('line')} <> ''
+            SELECT f, n, line FROM lines_json l WHERE line IS NOT NULL AND {_trimmed('line')} <> ''
+              AND NOT EXISTS (SELECT 1 FROM jobj o WHERE o.f = l.f AND o.n = l.n)
             UNION ALL SELECT l.f, l.n, l.line FROM lines_json l
               JOIN (SELECT f, n FROM ev WHERE NOT ok) b USING (f, n)""",
         "DELETE FROM ev WHERE NOT ok",
