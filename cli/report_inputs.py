@@ -1,4 +1,4 @@
-"""The LOGS inputs ``kvdiag report`` and ``kvdiag advise`` share: staging, the cache, progress, errors."""
+"""Internal: the LOGS inputs ``kvdiag report`` and ``kvdiag advise`` share: staging, the cache, progress, errors."""
 
 from __future__ import annotations
 

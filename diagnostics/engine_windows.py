@@ -1,4 +1,4 @@
-"""P's stats windows for the turns only they can decide: the engine's one step in Python (windows.py's ledger).
+"""Internal: P's stats windows for the turns only they can decide, the engine's one Python step (windows.py).
 
 The rules mark such turns (``wants_windows``); this step reads the lines the ledger needs (P's stat lines,
 the proxy's offers, P's per-request lines), asks the ledger about each of those reads, and hands back its

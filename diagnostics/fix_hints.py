@@ -1,4 +1,4 @@
-"""Each turn's fix: the verdict's own (``VERDICT_INFO``), sharpened when the numbers are known."""
+"""Internal: each turn's fix: the verdict's own (``VERDICT_INFO``), sharpened when the numbers are known."""
 
 from __future__ import annotations
 

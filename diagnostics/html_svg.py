@@ -1,4 +1,4 @@
-"""Hand-written inline SVG charts and the self-contained page shell for kvdiag's HTML files.
+"""Internal: hand-written inline SVG charts and the self-contained page shell for kvdiag's HTML files.
 
 No CDN, no fonts, no network at view time: one HTML file with inline CSS, SVG and a few lines of
 JS for a hover tooltip (every mark also carries an SVG ``<title>``, so hover works without JS).

@@ -1,4 +1,4 @@
-"""Line decoding and the per-file counters every parser shares (corrupt lines are counted, not fatal)."""
+"""Internal: line decoding and the per-file counters every parser shares (corrupt lines are counted, not fatal)."""
 
 from __future__ import annotations
 

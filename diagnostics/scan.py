@@ -1,4 +1,4 @@
-"""Byte-level prefilter: pull the lines that contain given needles out of big files without parsing the rest.
+"""Internal: byte-level prefilter: pull the lines that contain given needles out of big files without parsing the rest.
 
 ``bytes.find`` and a compiled regex with a literal prefix both run at C speed, so finding one
 conversation's lines in a gigabyte costs about what ``grep -F`` costs; only those lines get parsed.

@@ -1,4 +1,4 @@
-"""The log lines P's stats windows need, read only when a turn waits for them (windows.py decides).
+"""Internal: the log lines P's stats windows need, read only when a turn waits for them (windows.py decides).
 
 ``explain --all`` keeps every request line already; it adds P's stat lines. One conversation's explain
 has only that conversation's lines: it adds every proxy and engine line of the minutes around the

@@ -1,4 +1,4 @@
-"""Kubernetes object metadata both exports share (the dashboards' ConfigMaps, the alerts' PrometheusRule):
+"""Internal: Kubernetes object metadata both exports share (the dashboards' ConfigMaps, the alerts' PrometheusRule):
 names, namespaces and labels validated as the API server would, and kvdiag's own labels.
 
 Usage::

@@ -1,4 +1,4 @@
-"""What the router sends on a leg and reads back: P's request body and params, P's report, vLLM's error
+"""Internal: what the router sends on a leg and reads back: P's request body and params, P's report, vLLM's error
 shapes, and the errors the client gets in vLLM's own format."""
 
 from __future__ import annotations

@@ -70,3 +70,16 @@ def test_the_readme_library_snippet_runs() -> None:
         exec(compile(code, "README.md", "exec"), {})
     printed = out.getvalue()
     assert "(1, 'first_turn'" in printed and "'remote_hit'" in printed
+
+
+def test_the_facade_reads_only_public_modules() -> None:
+    import ast
+    import importlib
+
+    internal = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("*/**/*.py")
+                      if "tests" not in p.parts and (doc := ast.get_docstring(ast.parse(p.read_text())))
+                      and doc.startswith("Internal"))
+    assert internal, "internal modules are marked by a docstring starting with 'Internal'"
+    for name in ("load_turns", "explain_conversation", "load_turn_table", "build_report", "advise"):
+        module = importlib.import_module(getattr(kvdiag, name).__module__)
+        assert not (module.__doc__ or "").startswith("Internal"), module.__name__
