@@ -248,13 +248,14 @@ def _stats_sql(only: str | None) -> list[str]:
                       k) AS first_turn
             FROM cs_num WHERE {only_sql} GROUP BY conversation_id""",
         # the turns already made, in the order correlate's _request_order gives (turn, then the proxy's order
-        # or the events' time)
+        # or the events' time); only conversations with statistics (the only ones placed)
         """CREATE TEMP TABLE placed_src AS SELECT s.*, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
              coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k
            FROM slot_src s LEFT JOIN (SELECT rid, min(seq) AS seq FROM px_req WHERE conv IS NOT NULL GROUP BY rid) p
              ON p.rid = s.rid
            LEFT JOIN (SELECT k.rid, min(t.ts) AS ts FROM ev_slot_key k JOIN tev t USING (f, n) GROUP BY k.rid) t
-             ON t.rid = s.rid""",
+             ON t.rid = s.rid
+           WHERE s.conv IN (SELECT conversation_id FROM cs)""",
         """CREATE TEMP TABLE cs_pick AS
            SELECT c.f, c.n, c.sub, c.conversation_id, c.k,
              CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) THEN c.request_id END
