@@ -82,7 +82,9 @@ async def test_kill_9_of_a_replica_under_load_keeps_every_other_turn_s_handle(tm
         assert broken and all(r.replica == 0 for r in broken), [(r.replica, r.error) for r in broken if r.replica]
         eligible = [r for c in convs for r in eligible_turns(c)]
         after = [r for r in eligible if r.started_at > killed_at]
-        assert len(after) >= n_convs * n_turns // 3, (len(after), len(eligible))  # most of the rest
+        # The kill lands once a quarter of the turns are done (polled, so a little later on a loaded machine):
+        # well over half of the eligible turns start after it.
+        assert len(after) >= len(eligible) // 2, (len(after), len(eligible))
         reused = [r for r in after if r.verdict in REUSED and r.reused > 0]
         assert len(reused) >= 0.99 * len(after), {r.verdict for r in after}
         # Nothing unsafe, on any turn: no handle read twice, none from another tenant or conversation,
