@@ -382,7 +382,9 @@ class MemoryStore:
 # Keys: {prefix}h:<key> handle, {prefix}l:<key> in-flight claim, {prefix}t:<key> last turn,
 # {prefix}idx sorted set of handle keys scored by expiry (ms) for the capacity bound and size().
 
-_CLAIM_LUA = """
+# Claim a turn and take its handle in one step (KEYS: handle, claim, last-turn record, index); the
+# cluster store runs the same script, its keys hash-tagged into one slot.
+CLAIM_LUA = """
 local last = redis.call('GET', KEYS[3]) or ''
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {0, '', last}
@@ -462,7 +464,7 @@ class RedisStore:
         self._client: Any = redis_asyncio.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
-        self._claim = self._client.register_script(_CLAIM_LUA)
+        self._claim = self._client.register_script(CLAIM_LUA)
         self._complete = self._client.register_script(_COMPLETE_LUA)
         self._release = self._client.register_script(_RELEASE_LUA)
         self._size = self._client.register_script(_SIZE_LUA)

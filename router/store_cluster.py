@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvdiag.router.store import Claim, EvictionCallback, Handle, LastTurn, StoreError
+from kvdiag.router.store import CLAIM_LUA, Claim, EvictionCallback, Handle, LastTurn, StoreError
 
 BUCKETS: Final = 256
 SLOTS: Final = 16384
@@ -45,22 +45,6 @@ SLOTS: Final = 16384
 BREAKER_ERRORS: Final = 5
 BREAKER_PROBE_S: Final = 0.5
 CLUSTER_SCHEMES: Final = ("redis+cluster://", "rediss+cluster://")
-
-# KEYS: handle, claim, record, index.
-_CLAIM_LUA = """
-local last = redis.call('GET', KEYS[3]) or ''
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {0, '', last}
-end
-local h = redis.call('GET', KEYS[1])
-if h then
-  redis.call('DEL', KEYS[1])
-  redis.call('ZREM', KEYS[4], KEYS[1])
-else
-  h = ''
-end
-return {1, h, last}
-"""
 
 # Victims popped from the index are keys of the same bucket, so of the same slot. An index entry
 # whose handle already expired is dropped without counting as a capacity eviction.
@@ -199,7 +183,7 @@ class ClusterStore:
             self._client = redis_asyncio.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                                   health_check_interval=30,
                                                   retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
-        self._claim = self._client.register_script(_CLAIM_LUA)
+        self._claim = self._client.register_script(CLAIM_LUA)
         self._complete = self._client.register_script(_COMPLETE_LUA)
         self._release = self._client.register_script(_RELEASE_LUA)
 
