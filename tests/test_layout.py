@@ -147,4 +147,4 @@ def test_docs_name_only_files_that_exist(page: Path) -> None:
 def test_the_file_check_catches_a_missing_file(tmp_path: Path) -> None:
     assert not _repo_file_exists("docs/no-such-page.md", ROOT / "README.md")
     assert _repo_file_exists("docs/design.md", ROOT / "README.md")
-    assert _FILE_REF.findall("see `diagnostics/rules.py` and vllm.md") == ["diagnostics/rules.py", "vllm.md"]
+    assert _FILE_REF.findall("see `diagnostics/rules.py` and elsewhere.md") == ["diagnostics/rules.py", "elsewhere.md"]
