@@ -153,16 +153,18 @@ _RTRIM_EOL: Final = ("CASE WHEN ends_with(line, chr(13)) OR ends_with(line, chr(
 def parse_json_sql() -> list[str]:
     """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read."""
     keys = _in(FIELD_NAMES)
-    objects = (f"SELECT f, n, t FROM (SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) "
-               "WHERE starts_with(t, '{') AND json_valid(t)")
     return [
-        # each line checked and its keys listed once (events and statistics both read them), the list as its
-        # JSON text: one string per line hashes and compares several times faster than a list of strings
-        f"CREATE TEMP TABLE jobj AS SELECT f, n, t, to_json(json_keys(t))::VARCHAR AS k FROM ({objects})",
+        # each line checked and its keys listed in one JSON parse (TRY: NULL where the line is no JSON object),
+        # the list as its JSON text: one string per line hashes and compares several times faster than a list
+        # of strings. A NULL key list is a line json_logs must read.
+        f"""CREATE TEMP TABLE jobj AS SELECT f, n, t,
+              CASE WHEN starts_with(t, '{{') THEN TRY(to_json(json_keys(t))::VARCHAR) END AS k
+            FROM (SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''""",
         # the key lists are few: check each once
         f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(kl, 'v') AND list_contains(kl, 'source')
               AND list_contains(kl, 'event') AS is_event, list_has_all([{keys}], kl) AS known
-            FROM (SELECT k, from_json(k, '["VARCHAR"]') AS kl FROM (SELECT DISTINCT k FROM jobj))""",
+            FROM (SELECT k, from_json(k, '["VARCHAR"]') AS kl
+                  FROM (SELECT DISTINCT k FROM jobj WHERE k IS NOT NULL))""",
         # (no text column: evidence is looked up on the lines, for the turns explain prints)
         f"""CREATE TEMP TABLE ev AS SELECT f, n, NULL::VARCHAR AS text,
               {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
@@ -173,15 +175,13 @@ def parse_json_sql() -> list[str]:
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
                    THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
               jk.known AND {_event_ok()} AS ok
-            FROM (SELECT o.*, from_json(o.t, '{_EVENT_SCHEMA}') AS j FROM jobj o) x
+            FROM (SELECT o.f, o.n, o.k, from_json(o.t, '{_EVENT_SCHEMA}') AS j FROM jobj o WHERE o.k IS NOT NULL) x
             JOIN jk USING (k) WHERE jk.is_event""",
-        # everything else json_logs reads itself: not an object (a line jobj lacks: no second JSON check), an
-        # event the checks reject
-        f"""CREATE TEMP TABLE json_odd AS
-            SELECT f, n, line FROM lines_json l WHERE line IS NOT NULL AND {_trimmed('line')} <> ''
-              AND NOT EXISTS (SELECT 1 FROM jobj o WHERE o.f = l.f AND o.n = l.n)
-            UNION ALL SELECT l.f, l.n, l.line FROM lines_json l
-              JOIN (SELECT f, n FROM ev WHERE NOT ok) b USING (f, n)""",
+        # everything else json_logs reads itself: not an object, an event the checks reject (the few such
+        # lines are looked up, not the many good ones anti-joined)
+        """CREATE TEMP TABLE json_odd AS
+            SELECT l.f, l.n, l.line FROM lines_json l JOIN ((SELECT f, n FROM jobj WHERE k IS NULL) UNION ALL
+              (SELECT f, n FROM ev WHERE NOT ok)) b USING (f, n)""",
         "DELETE FROM ev WHERE NOT ok",
         "ALTER TABLE ev DROP COLUMN ok",
         f"""CREATE TEMP TABLE cs AS SELECT f, n, NULL::VARCHAR AS text,
@@ -193,7 +193,7 @@ def parse_json_sql() -> list[str]:
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
               CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub
             FROM (SELECT o.f, o.n, o.t, from_json(o.t, '{_STAT_SCHEMA}') AS s FROM jobj o
-                  JOIN jk USING (k) WHERE NOT jk.is_event)
+                  JOIN jk USING (k) WHERE o.k IS NOT NULL AND NOT jk.is_event)
             WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
         "DROP TABLE jobj",
     ]
