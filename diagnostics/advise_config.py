@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from kvdiag.diagnostics.detect import detect, expand_paths, role_hint
-from kvdiag.diagnostics.report_cache import cache_key
 from kvdiag.diagnostics.scan import grep_lines, grep_regex
 from kvdiag.diagnostics.sources import StagedInputs
 
@@ -31,8 +30,10 @@ FAIL_POLICY_RE: Final = re.compile(r"due to KV load failure \(failure_policy=(\w
 STALE_RE: Final = re.compile(r"stale cache entry \(age=[\d.]+s > ttl=([\d.]+)s\)")
 CONFIG_CACHE_VERSION: Final = 1
 _TTL_FIELD: Final = re.compile(rb'"ttl_s"')
-_MARKERS: Final = ("Bidirectional KV transfer is enabled", "before releasing blocks", "KV load failure",
-                   "stale cache entry", "WAITING_FOR_REMOTE_KVS")
+# the substrings a configuration line contains (STARTUP_RE, HOLD_RE, FAIL_POLICY_RE and recovery, STALE_RE, hang)
+MARKERS: Final = ("Bidirectional KV transfer is enabled", "before releasing blocks", "KV load failure",
+                  "stale cache entry", "WAITING_FOR_REMOTE_KVS")
+_MARKERS: Final = MARKERS
 
 
 @dataclass
@@ -108,33 +109,84 @@ def _from_event(cfg: DeploymentConfig, obj: dict[str, Any], role: Role, where: s
         _set(cfg, f"bidirectional_{source}", bool(attrs["bidirectional_kv_xfer"]), where)
 
 
-def _from_text(cfg: DeploymentConfig, line: str, role: Role, where: str) -> None:
-    m = STARTUP_RE.search(line)
-    if m:
+Effect = tuple[Any, ...]  # what one line says: ("startup", threshold, ttl), ("hold", ttl), ("policy", name), ...
+
+
+def _effect(line: str, role: Role) -> Effect | None:
+    """What a marker line says about the configuration (each regex only where its marker is in the line)."""
+    if _MARKERS[0] in line and (m := STARTUP_RE.search(line)):
+        return ("startup", int(m.group(1)), float(m.group(2)) if m.group(2) else None)
+    if role == "decode" and _MARKERS[1] in line and (m := HOLD_RE.search(line)):
+        return ("hold", float(m.group(2)))
+    if _MARKERS[2] in line:
+        if m := FAIL_POLICY_RE.search(line):
+            return ("policy", m.group(1))
+        if "Recovered from KV load failure" in line:
+            return ("policy", "recompute")
+    if _MARKERS[4] in line:
+        return ("hang",)
+    if _MARKERS[3] in line and (m := STALE_RE.search(line)):
+        return ("stale", float(m.group(1)))
+    return None
+
+
+def line_effects(numbered: Iterable[tuple[int, str]], role: Role) -> list[tuple[int, Effect]]:
+    """(line number, effect) of each marker line of one file whose effect no earlier line of that file had:
+    a repeat can only set values its first occurrence already set, so dropping it changes nothing."""
+    seen: set[Effect] = set()
+    out: list[tuple[int, Effect]] = []
+    for lineno, line in numbered:
+        e = _effect(line, role)
+        if e is not None and e not in seen:
+            seen.add(e)
+            out.append((lineno, e))
+    return out
+
+
+def _apply(cfg: DeploymentConfig, e: Effect, role: Role, where: str) -> None:
+    kind = e[0]
+    if kind == "startup":
         if role in ("prefill", "decode"):
             _set(cfg, f"bidirectional_{role}", True, where)
         if role == "prefill" or cfg.recompute_threshold is None:
-            _set(cfg, "recompute_threshold", int(m.group(1)), where)
-        if m.group(2) and role in ("decode", "unknown"):
-            _set(cfg, "decoder_ttl", float(m.group(2)), where)
-        return
-    m = HOLD_RE.search(line)
-    if m and role == "decode":
-        _set(cfg, "decoder_ttl", float(m.group(2)), where)
-        return
-    m = FAIL_POLICY_RE.search(line)
-    if m:
-        _set(cfg, "failure_policy", m.group(1), where)
-        return
-    if "Recovered from KV load failure" in line:
-        _set(cfg, "failure_policy", "recompute", where)
-    elif "WAITING_FOR_REMOTE_KVS" in line:
+            _set(cfg, "recompute_threshold", e[1], where)
+        if e[2] is not None and role in ("decode", "unknown"):
+            _set(cfg, "decoder_ttl", e[2], where)
+    elif kind == "hold":
+        _set(cfg, "decoder_ttl", e[1], where)
+    elif kind == "policy":
+        _set(cfg, "failure_policy", e[1], where)
+    elif kind == "hang":
         _set(cfg, "failure_policy", "recompute", where)
         _set(cfg, "recompute_hang", True, where)
     else:
-        m = STALE_RE.search(line)
-        if m:
-            _set(cfg, "router_ttl", float(m.group(1)), where)
+        _set(cfg, "router_ttl", e[1], where)
+
+
+# The marker lines' effects of vLLM logs the verdict engine just read (its grep keeps the marker lines
+# too), by (path, size, mtime): scan_config takes them once instead of reading those logs again.
+_ENGINE_EFFECTS: dict[tuple[str, int, int], list[tuple[int, Effect]]] = {}
+_ENGINE_EFFECTS_MAX: Final = 64
+
+
+def _identity(path: str) -> tuple[str, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (path, st.st_size, st.st_mtime_ns)
+
+
+def remember_marker_lines(path: str, numbered: Iterable[tuple[int, str]]) -> None:
+    """Record a vLLM log's marker lines (every line containing one of MARKERS, numbered as grep numbers
+    them, decoded with replacement characters, line end removed) for the next scan_config of that file."""
+    key = _identity(path)
+    if key is None:
+        return
+    _ENGINE_EFFECTS.pop(key, None)
+    _ENGINE_EFFECTS[key] = line_effects(numbered, guess_role(Path(path)))
+    while len(_ENGINE_EFFECTS) > _ENGINE_EFFECTS_MAX:
+        del _ENGINE_EFFECTS[next(iter(_ENGINE_EFFECTS))]
 
 
 def _scan_events(cfg: DeploymentConfig, path: Path, role: Role) -> None:
@@ -166,8 +218,12 @@ def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
         if f.fmt == "events":
             _scan_events(cfg, path, role)
         elif f.fmt in ("vllm", "proxy", "unknown"):
-            for lineno, line in _lines(path, _MARKERS):
-                _from_text(cfg, line, role, f"{path}:{lineno}")
+            key = _identity(f.path) if f.fmt == "vllm" else None
+            effects = _ENGINE_EFFECTS.pop(key, None) if key is not None else None
+            if effects is None:
+                effects = line_effects(_lines(path, _MARKERS), role)
+            for lineno, e in effects:
+                _apply(cfg, e, role, f"{path}:{lineno}")
     return cfg
 
 
@@ -195,6 +251,8 @@ def scan_config_cached(paths: Sequence[str | Path] | StagedInputs, cache_dir: Pa
         if staged is None:
             return scan_config(paths)  # type: ignore[arg-type]
         return display_config(scan_config(staged.paths), staged.display)
+    from kvdiag.diagnostics.report_cache import cache_key  # noqa: PLC0415 - pandas, for the cached path only
+
     files = list(staged.identity) if staged is not None else expand_paths([str(p) for p in paths])  # type: ignore[union-attr]
     target = cache_dir / f"config-{cache_key(files, CONFIG_CACHE_VERSION)}.json"
     try:

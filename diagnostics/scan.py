@@ -126,14 +126,16 @@ def grep_ere(path: str, ere: str, progress: ProgressFn | None = None) -> Iterato
     return grep_regex(path, re.compile(ere.encode("utf-8"), re.MULTILINE), progress)
 
 
-def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None = None) -> None:
-    """``grep -n`` of a POSIX extended regex into the file ``out`` ("N:line" per matching line), so the
-    kept lines never pass through Python; raises LogReadError."""
+def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None = None,
+                     also: Sequence[str] = ()) -> None:
+    """``grep -n`` of a POSIX extended regex (or any of the fixed strings ``also``) into the file ``out``
+    ("N:line" per matching line), so the kept lines never pass through Python; raises LogReadError."""
     if GREP is None:
         raise LogReadError(f"cannot read {path}: grep is not on PATH")
+    patterns = [arg for s in (ere, *(_ere_escape(a.encode()).decode() for a in also)) for arg in ("-e", s)]
     try:
         with open(out, "wb") as fh:
-            done = subprocess.run([str(GREP), "-n", "-a", "-E", "-e", ere, "--", path], stdout=fh,
+            done = subprocess.run([str(GREP), "-n", "-a", "-E", *patterns, "--", path], stdout=fh,
                                   stderr=subprocess.PIPE, env={**os.environ, "LC_ALL": "C"}, check=False)
     except OSError as exc:
         raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None

@@ -26,6 +26,7 @@ from typing import Any, Final
 import pyarrow as pa
 
 from kvdiag.diagnostics import verdict_engine as engine
+from kvdiag.diagnostics.advise_config import MARKERS, remember_marker_lines
 from kvdiag.diagnostics.conversation_ids import id_tags
 from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
 from kvdiag.diagnostics.engine_windows import decide_windows
@@ -123,13 +124,19 @@ def _reading() -> Iterator[None]:
 
 
 def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows: bool = True,
-            evidence: bool = True) -> engine.Run:
+            evidence: bool = True, config_lines: bool = True) -> engine.Run:
     """Every input through the engine, P's stats windows read where a turn waits for them (the caller
-    closes ``run.con``); without ``evidence`` no turn keeps its evidence refs (the turn table reads none)."""
+    closes ``run.con``); without ``evidence`` no turn keeps its evidence refs (the turn table reads none).
+    With ``config_lines`` the vLLM logs' configuration lines are kept for advise_config.scan_config (report
+    and advise read both), found by the same grep."""
     run = engine.new_run(files)
     run.evidence = evidence
+    if config_lines:
+        run.side_needles = MARKERS
     with _reading():
         engine.load_files(run, _Progress(sum(f.size for f in files), progress, 1))
+        for f, lines in run.side_lines.items():
+            remember_marker_lines(files[f].path, lines)
         engine.parse(run)
         engine.decide(run)
         wanted = engine.wanted_windows(run) if windows else []
@@ -148,7 +155,7 @@ def load_turns(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None 
     with staged_inputs(paths) as staged:
         inner = LineStats()
         files = _detect(staged.paths, inner)
-        run = run_all(files, progress)
+        run = run_all(files, progress, config_lines=False)
         try:
             inner.merge(run.stats)
             convs = records(run)

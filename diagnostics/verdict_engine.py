@@ -47,6 +47,8 @@ VLLM_MESSAGE_STARTS: Final = ("Bidirectional KV transfer", "Declining expired", 
 # (vLLM's colours, when its output was a terminal, may stand between the header and the message)
 VLLM_PREFILTER: Final = ("\\](\x1b\\[[0-9;]*m)* ("
                          + "|".join(re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", s) for s in VLLM_MESSAGE_STARTS) + ")")
+_PREFILTER_BYTES: Final = re.compile(VLLM_PREFILTER.encode())
+_PREFILTER_TEXT: Final = re.compile(VLLM_PREFILTER)
 _JSON_FORMATS: Final = ("events", "client_stats")
 _TABLES: Final = {"events": "lines_json", "client_stats": "lines_json", "proxy": "lines_proxy", "vllm": "lines_vllm"}
 
@@ -65,6 +67,11 @@ class Run:
     only: str | None = None
     evidence: bool = True  # each turn's evidence refs (explain prints them; the turn table reads none)
     timings: list[tuple[str, float, float]] = field(default_factory=list)  # KVDIAG_PROFILE: (statement, wall, cpu)
+    # vLLM lines containing one of these strings are also kept in side_lines (by file index: line number and
+    # text, as grep gives them), whatever the prefilter says; the same grep finds them, so the configuration
+    # scan needs no second pass over the logs. Files grep could not read have no entry.
+    side_needles: tuple[str, ...] = ()
+    side_lines: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
 
     @property
     def paths(self) -> dict[int, str]:
@@ -184,15 +191,17 @@ def vllm_lines(path: str, progress: Callable[[int], None] | None = None) -> Iter
     yield from grep_regex(path, re.compile(VLLM_PREFILTER.encode()), progress)
 
 
-def _grep_vllm(path: str, progress: Callable[[int], None] | None) -> str | list[tuple[int, bytes]]:
-    """The prefilter's lines of one vLLM log: a file of grep's "N:line" output (DuckDB reads it), or the
-    numbered lines when grep cannot run on it (no grep, a compressed file)."""
+def _grep_vllm(path: str, progress: Callable[[int], None] | None, also: Sequence[str] = ()
+               ) -> str | list[tuple[int, bytes]]:
+    """The prefilter's lines of one vLLM log (and those containing a string of ``also``): a file of grep's
+    "N:line" output (DuckDB reads it), or the prefilter's numbered lines when grep cannot run on it (no
+    grep, a compressed file)."""
     if GREP is None or path.endswith(".gz"):
         return list(vllm_lines(path, progress))
     fd, out = tempfile.mkstemp(prefix="kvdiag-vllm-", suffix=".txt")
     os.close(fd)
     try:
-        grep_ere_to_file(path, VLLM_PREFILTER, out, progress)
+        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also)
     except BaseException:
         os.unlink(out)
         raise
@@ -216,7 +225,10 @@ def _numbered(path: str) -> Iterator[tuple[int, bytes]]:
 def add_grep_output(run: Run, f: int, path: str) -> None:
     """grep's "N:line" output for file ``f`` into its lines table: read by DuckDB where it splits the lines
     as grep did and every line is valid UTF-8 and short enough to keep whole; by Python (add_lines, which
-    counts and notes such lines) otherwise."""
+    counts and notes such lines) otherwise. Lines with a side needle go to ``run.side_lines``; those the
+    prefilter would not keep leave the lines table."""
+    if run.side_needles:
+        run.side_lines[f] = []
     if os.path.getsize(path) == 0:
         return
     table = _TABLES[run.files[f].fmt]
@@ -227,11 +239,39 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
             # (decode_line keeps a line whole up to MAX_LINE_CHARS bytes, its newline included)
             if not run.con.execute(f"SELECT count(*) FROM {table} WHERE f = {f} AND strlen(line) >= "
                                    f"{MAX_LINE_CHARS}").fetchall()[0][0]:
+                _split_side_lines(run, f, table)
                 return
         except (duckdb.InvalidInputException, duckdb.ConversionException):
             pass
         run.con.execute(f"DELETE FROM {table} WHERE f = {f}")
-    add_lines(run, f, _numbered(path))
+    numbered = _numbered(path)
+    add_lines(run, f, _side_filtered(run, f, numbered) if run.side_needles else numbered)
+
+
+def _split_side_lines(run: Run, f: int, table: str) -> None:
+    """The side needles' lines of file ``f`` (in its lines table, valid UTF-8) into ``run.side_lines``;
+    the ones the prefilter does not keep are deleted from the table."""
+    if not run.side_needles:
+        return
+    found = " OR ".join(f"contains(line, {ep.sql_str(s)})" for s in run.side_needles)
+    rows = run.con.execute(f"SELECT n, line FROM {table} WHERE f = {f} AND ({found}) ORDER BY n").fetchall()
+    run.side_lines[f] = rows
+    extra = [n for n, line in rows if not _PREFILTER_TEXT.search(line)]
+    if extra:
+        run.con.execute(f"DELETE FROM {table} WHERE f = {f} AND list_contains($extra, n)", {"extra": extra})
+
+
+def _side_filtered(run: Run, f: int, numbered: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
+    """``numbered`` without the lines only a side needle kept; those with a side needle into
+    ``run.side_lines`` (decoded as the configuration scan decodes grep's lines)."""
+    side = run.side_lines.setdefault(f, [])
+    needles = [s.encode() for s in run.side_needles]
+    for n, raw in numbered:
+        if any(s in raw for s in needles):
+            side.append((n, raw.decode("utf-8", errors="replace").rstrip("\r\n")))
+            if not _PREFILTER_BYTES.search(raw):
+                continue
+        yield n, raw
 
 
 def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
@@ -239,7 +279,7 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
     vLLM logs through the prefilter (grep, beside DuckDB's scans, into a file DuckDB reads)."""
     engine_logs = [f for f, lf in enumerate(run.files) if lf.fmt == "vllm"]
     with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 4))) as pool:
-        kept = {f: pool.submit(_grep_vllm, run.files[f].path, progress) for f in engine_logs}
+        kept = {f: pool.submit(_grep_vllm, run.files[f].path, progress, run.side_needles) for f in engine_logs}
         try:
             for f, lf in enumerate(run.files):
                 if lf.fmt in ("unknown", "vllm"):

@@ -1,0 +1,122 @@
+"""The configuration scan reads the vLLM logs' marker lines from the verdict engine's own grep.
+
+``kvdiag report`` and ``advise`` need both the turn table and the DeploymentConfig; the engine's vLLM grep
+also keeps the configuration lines, so scan_config does not read those logs a second time. These tests pin
+that the shortcut changes nothing: the same DeploymentConfig as a scan of its own, the same lines in the
+engine (a marker line the prefilter would not keep does not reach the rules), on every way a grep output
+is read (DuckDB; Python for carriage returns, invalid UTF-8, over-long lines).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvdiag.diagnostics import advise_config
+from kvdiag.diagnostics import verdict_engine as engine
+from kvdiag.diagnostics.advise_config import MARKERS, scan_config
+from kvdiag.diagnostics.detect import detect
+from kvdiag.diagnostics.linestats import MAX_LINE_CHARS
+from kvdiag.diagnostics.report import load_turn_table
+from kvdiag.diagnostics.turn_loader import run_all
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+HEAD = "(EngineCore_DP0 pid=7) {level} 11-29 10:05:{s:02d} [{where}] "
+# Marker lines the engine's prefilter does not keep: a request id without chatcmpl-/cmpl- (the hang), a
+# DEBUG message about a KV load failure (a DEBUG line on P would tell the rules P logs at DEBUG).
+NOT_PREFILTERED = (
+    HEAD.format(level="WARNING", s=1, where="scheduler.py:900") + "req-77aa is still in WAITING_FOR_REMOTE_KVS state.",
+    HEAD.format(level="DEBUG", s=2, where="nixl.py:12") + "retry after KV load failure: failure_policy=recompute",
+)
+# Marker lines it keeps, repeated (each repeat a line whose effect an earlier line already had).
+PREFILTERED = (
+    HEAD.format(level="INFO", s=3, where="scheduler.py:3770")
+    + "Recovered from KV load failure: 1 request(s) rescheduled (12 tokens affected).",
+    HEAD.format(level="INFO", s=4, where="scheduler.py:3770")
+    + "Recovered from KV load failure: 2 request(s) rescheduled (40 tokens affected).",
+)
+HOLD = (HEAD.format(level="DEBUG", s=5, where="nixl_connector.py:800")
+        + "NIXLConnector request_finished(chatcmpl-x-1) waiting for 300 seconds before releasing blocks")
+
+
+def _folder(tmp_path: Path, edit: Callable[[str], str] = lambda s: s) -> Path:
+    out = tmp_path / "logs"
+    shutil.copytree(FIXTURES / "real_vllm_info", out)
+    for name, extra in (("prefill.log", (*NOT_PREFILTERED, *PREFILTERED)), ("decode.log", (HOLD, HOLD))):
+        path = out / name
+        path.write_bytes(edit(path.read_text(encoding="utf-8") + "".join(line + "\n" for line in extra))
+                         .encode("utf-8", errors="surrogateescape"))
+    return out
+
+
+def _engine_lines(paths: list[str], side: bool) -> tuple[list[tuple[object, ...]], dict[int, list[tuple[int, str]]]]:
+    run = engine.new_run(detect(paths))
+    if side:
+        run.side_needles = MARKERS
+    try:
+        engine.load_files(run)
+        return run.con.execute("SELECT f, n, line FROM lines_vllm ORDER BY f, n").fetchall(), run.side_lines
+    finally:
+        run.con.close()
+
+
+def _with_cr(text: str) -> str:  # a CR in a kept line: DuckDB would split there, Python reads the grep output
+    return text.replace("(12 tokens affected).", "(12 tokens affected).\r", 1)
+
+
+def _with_bad_utf8(text: str) -> str:
+    return text.replace("Recovered from KV load failure: 2", "Recovered from KV load failure: \udcff2", 1)
+
+
+def _with_long_line(text: str) -> str:
+    return text + HEAD.format(level="INFO", s=9, where="x.py:1") + "Received request " + "y" * MAX_LINE_CHARS + "\n"
+
+
+@pytest.mark.parametrize("edit", [lambda s: s, _with_cr, _with_bad_utf8, _with_long_line],
+                         ids=["duckdb", "carriage-return", "invalid-utf8", "over-long"])
+def test_engine_lines_equal_a_scan_of_its_own(tmp_path: Path, edit: Callable[[str], str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = [str(_folder(tmp_path, edit))]
+    alone = scan_config(folder)
+    # every fact the extra lines give is found, from the line a scan of its own names
+    assert alone.recompute_hang is not None and alone.recompute_hang.value is True
+    assert alone.failure_policy is not None and alone.decoder_ttl is not None
+
+    plain, no_side = _engine_lines(folder, side=False)
+    kept, side = _engine_lines(folder, side=True)
+    assert not no_side
+    assert kept == plain  # the rules see the same lines: the marker lines only grep's -e kept are gone
+    texts = [t for lines in side.values() for _, t in lines]
+    assert all(any(line in t for t in texts) for line in NOT_PREFILTERED)  # (so the deletion above mattered)
+
+    table = load_turn_table(folder)
+    reads: list[str] = []
+    real = advise_config._lines
+    monkeypatch.setattr(advise_config, "_lines", lambda path, needles: reads.append(str(path)) or real(path, needles))
+    after = scan_config(folder)
+    assert after == alone
+    assert not [p for p in reads if p.endswith(("prefill.log", "decode.log"))]  # taken from the engine's grep
+    # once: the next scan reads the files again (the remembered lines are not held)
+    assert scan_config(folder) == alone
+    assert [p for p in reads if p.endswith(("prefill.log", "decode.log"))]
+    assert table.equals(load_turn_table(folder))
+
+
+def test_a_changed_file_is_scanned_again(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    files = detect([str(folder)])
+    run_all(files).con.close()  # remembers the marker lines of prefill.log and decode.log
+    log = folder / "prefill.log"
+    log.write_text(log.read_text(encoding="utf-8").replace("failure_policy=fail", "failure_policy=gone"),
+                   encoding="utf-8")
+    cfg = scan_config([str(folder)])
+    assert cfg.failure_policy is not None and cfg.failure_policy.value == "gone"
+
+
+def test_repeated_effects_keep_the_first_line() -> None:
+    lines = [(1, "x stale cache entry (age=9.0s > ttl=450.0s)"), (2, "y stale cache entry (age=3.0s > ttl=450.0s)"),
+             (3, "z stale cache entry (age=3.0s > ttl=300.0s)"), (4, "no marker here")]
+    assert advise_config.line_effects(lines, "router") == [(1, ("stale", 450.0)), (3, ("stale", 300.0))]
