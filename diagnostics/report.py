@@ -135,7 +135,7 @@ def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
         raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
     # Column by column, and only where the dtype differs: on a million-row table a blanket copy costs
     # more than the aggregations.
-    # Already in order (report_fast's table): a shallow copy, so a converted column never touches df.
+    # Already in order (the engine's table): a shallow copy, so a converted column never touches df.
     out = df.copy(deep=False) if list(df.columns) == list(TABLE_COLUMNS) else df.loc[:, list(TABLE_COLUMNS)]
     for cols, dtype in ((_FLOAT_COLUMNS, "float64"), (_INT_COLUMNS, "Int64"), (_STR_COLUMNS, "str"),
                         (("reused", "eligible"), "bool")):
@@ -353,31 +353,27 @@ def build_report(df: pd.DataFrame, decoder_ttl_s: float | None = None) -> Report
 
 
 def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Path | None = None,
-                    progress: Callable[[int, int], None] | None = None, fast: bool = True,
+                    progress: Callable[[int, int], None] | None = None,
                     events_only: bool = False) -> pd.DataFrame:
     """Parse and correlate ``paths`` (files, globs, folders, .gz, container log wrappers, ``s3://`` URLs;
     or inputs already staged by kvdiag.diagnostics.sources) into the turn table, through the Parquet
-    cache when ``cache_dir`` is set. Raises explain's LogReadError/ExplainError.
+    cache when ``cache_dir`` is set: the verdict engine's table, the same verdicts explain gives. Raises
+    explain's LogReadError/ExplainError.
 
-    ``fast``: when kvdiag event files are among the inputs, build the table in DuckDB (report_fast, with
-    report_stock for the stock logs beside them) instead of explain's parser, unless they find shapes only
-    the parser models (same table either way). Stock logs alone take the parser: only events decide a
-    verdict in SQL.
     ``events_only``: use only the event files among the inputs (faster; but turns only stock logs show
     are lost, and the fields and reasons stock lines add to the other turns are missing).
     ``s3://`` objects are mirrored under ``cache_dir/s3`` (reused while their ETag holds)."""
     if isinstance(paths, StagedInputs):
-        return _load_staged(paths, cache_dir, progress, fast, events_only)
+        return _load_staged(paths, cache_dir, progress, events_only)
     mirror_dir = cache_dir / "s3" if cache_dir is not None else None
     with stage_inputs([str(p) for p in paths], mirror_dir=mirror_dir) as staged:
-        return _load_staged(staged, cache_dir, progress, fast, events_only)
+        return _load_staged(staged, cache_dir, progress, events_only)
 
 
 def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callable[[int, int], None] | None,
-                 fast: bool, events_only: bool) -> pd.DataFrame:
+                 events_only: bool) -> pd.DataFrame:
     # The cache is keyed by the inputs as given (a wrapped log's own path, size and mtime; an object's
     # mirrored copy), so a hit needs no unwrapping; the files read are the staged ones.
-    del fast  # one engine for every input: kept for callers of the two-path API
     key = list(staged.identity)
     files: list[str] = []
     if events_only:

@@ -41,13 +41,13 @@ def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
     assert a.equals(b)
 
 
-def _parsed(files: list[str]) -> pd.DataFrame:
+def _from_records(files: list[str]) -> pd.DataFrame:
     return build_turn_table(load_turns(files))
 
 
 @pytest.mark.parametrize("layout", ["router", "router+client", "router+client+duplicate", "no-router-gaps",
                                     "no-router-gaps-or-durations", "client"])
-def test_fast_path_matches_the_parser(tmp_path: Path, layout: str) -> None:
+def test_engine_table_equals_explains_records(tmp_path: Path, layout: str) -> None:
     convs = _convs()
     router = list(router_events(convs))
     if layout.startswith("no-router-gaps"):  # the gap must then come from start and duration
@@ -60,23 +60,23 @@ def test_fast_path_matches_the_parser(tmp_path: Path, layout: str) -> None:
         if layout.endswith("duplicate"):
             client.append(client[3])  # a repeated record forces the aggregate (merge) path
         files.append(_write(tmp_path / "client.jsonl", client))
-    slow = _parsed(files)
-    assert len(slow) == sum(len(c.turns) for c in convs)
-    _same(load_turn_table(files), slow)
+    records_table = _from_records(files)
+    assert len(records_table) == sum(len(c.turns) for c in convs)
+    _same(load_turn_table(files), records_table)
 
 
-def test_fast_path_skips_corrupt_lines_and_keeps_a_stock_log_beside_the_events(tmp_path: Path) -> None:
+def test_corrupt_lines_are_skipped_and_a_stock_log_beside_the_events_is_read(tmp_path: Path) -> None:
     convs = _convs()
     lines = list(router_events(convs))
     lines.insert(5, '{"v": 1, "ts": "not a number", broken')
     files = [_write(tmp_path / "router-events.jsonl", lines)]
-    fast = load_turn_table(files)
-    assert len(fast) == sum(len(c.turns) for c in convs)
+    table = load_turn_table(files)
+    assert len(table) == sum(len(c.turns) for c in convs)
     stock = _write(tmp_path / "decode.log", [
         "(EngineCore_DP0 pid=1) INFO 11-29 06:54:50 [base_scheduler.py:188] Bidirectional KV transfer is enabled "
         "and the kv recompute threshold is set to 64 tokens.KV blocks on D are released after a TTL of 480 seconds."])
     mixed = load_turn_table([*files, stock])  # a stock log beside the events: the same table
-    _same(normalize_table(mixed), _parsed([*files, stock]))
+    _same(normalize_table(mixed), _from_records([*files, stock]))
     events = load_turn_table([*files, stock], events_only=True)
     assert len(events) == sum(len(c.turns) for c in convs)
     with pytest.raises(ReportError, match="no kvdiag event files"):
@@ -126,23 +126,23 @@ def _demo_like(tmp_path: Path, shape: str) -> list[str]:
 def test_prefill_events_that_change_a_turn_are_modelled(tmp_path: Path, shape: str) -> None:
     # P's event decides where the router only inferred; P's failed status and a field only P states count
     files = _demo_like(tmp_path, shape)
-    fast = load_turn_table(files)
-    slow = _parsed(files)
-    _same(normalize_table(fast), slow)
+    table = load_turn_table(files)
+    records_table = _from_records(files)
+    _same(normalize_table(table), records_table)
     if shape == "inferred":
-        assert (slow["verdict"] == Verdict.EXPIRED_REMOTE_READ.value).any()
+        assert (records_table["verdict"] == Verdict.EXPIRED_REMOTE_READ.value).any()
     if shape == "prefill-status":
-        assert (slow["status"] == "error").any()
+        assert (records_table["status"] == "error").any()
     if shape == "prefill-field":
-        assert (slow["computed_tokens"] == 12).any()
+        assert (records_table["computed_tokens"] == 12).any()
     if shape == "prefill-retried":  # the failed first attempt's status stands; the router's outcome decides
-        assert (slow["status"] == "error").any()
+        assert (records_table["status"] == "error").any()
 
 
 @pytest.mark.parametrize("shape", ["anonymous", "concurrent", "unattached-engine-event"])
 def test_events_the_correlator_joins_by_request_id_or_turn(tmp_path: Path, shape: str) -> None:
     files = _demo_like(tmp_path, shape)
-    _same(load_turn_table(files), _parsed(files))
+    _same(load_turn_table(files), _from_records(files))
 
 
 @pytest.mark.parametrize("how", ["one turn", "every router event"])
@@ -156,12 +156,12 @@ def test_hashed_conversation_tags_are_mapped_back_in_sql(tmp_path: Path, how: st
             if r["conversation_id"].startswith("conv-"):
                 r["conversation_id"] = id_tags(r["conversation_id"])[2]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fast = load_turn_table(files)
-    _same(normalize_table(fast), _parsed(files))
-    assert set(fast["conversation_id"]) == {c.conversation_id for c in _convs()}
+    table = load_turn_table(files)
+    _same(normalize_table(table), _from_records(files))
+    assert set(table["conversation_id"]) == {c.conversation_id for c in _convs()}
 
 
-def test_redundant_prefill_events_keep_the_fast_path(tmp_path: Path) -> None:
+def test_redundant_prefill_events_change_nothing(tmp_path: Path) -> None:
     # gen_logs.py's shape: P's events restate what the router says; they change no turn. Nor do the
     # engines' engine_start events, which name no request (the connector writes one per engine).
     files = _demo_like(tmp_path, "plain")
@@ -170,8 +170,8 @@ def test_redundant_prefill_events_keep_the_fast_path(tmp_path: Path) -> None:
             fh.write(json.dumps({"v": 1, "ts": 1.0, "source": role, "event": "engine_start", "model": "m",
                                  "attrs": {"block_size": 16}}) + "\n")
     files = sorted({*files, str(tmp_path / "decode-events.jsonl")})
-    fast = load_turn_table(files)
-    _same(normalize_table(fast), _parsed(files))
+    table = load_turn_table(files)
+    _same(normalize_table(table), _from_records(files))
 
 
 def test_a_turn_only_stock_logs_show_forces_the_full_parse(tmp_path: Path) -> None:
@@ -181,7 +181,7 @@ def test_a_turn_only_stock_logs_show_forces_the_full_parse(tmp_path: Path) -> No
               "ttft_ms": 80.0, "latency_ms": 400.0, "start_time_ms": 1.7e12}]
     files.append(_write(tmp_path / "client-stats.jsonl", [json.dumps(s) for s in stats]))
     table = load_turn_table(files)
-    _same(table, _parsed(files))
+    _same(table, _from_records(files))
     assert "stock-only" in set(table["conversation_id"])
     assert len(table) == sum(len(c.turns) for c in convs) + 1
 
@@ -196,7 +196,7 @@ def test_event_lines_explain_rejects_are_skipped_by_both(tmp_path: Path, bad: di
     router[4] = {**router[4], **bad}
     files = [_write(tmp_path / "router-events.jsonl", [json.dumps(r) for r in router])]
     table = load_turn_table(files)
-    _same(table, _parsed(files))
+    _same(table, _from_records(files))
     assert len(table) == len(router) - 1
 
 
@@ -204,4 +204,4 @@ def test_a_statistics_line_in_an_event_file_is_read_as_one(tmp_path: Path) -> No
     lines = list(router_events(_convs()))
     lines.append(json.dumps({"conversation_id": "conv-00001", "ttft_ms": 12.0, "input_num_turns": 1}))
     files = [_write(tmp_path / "router-events.jsonl", lines)]
-    _same(load_turn_table(files), _parsed(files))
+    _same(load_turn_table(files), _from_records(files))
