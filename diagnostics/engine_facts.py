@@ -43,9 +43,9 @@ def facts_sql() -> list[str]:
         # a turn's events in the order the rules read them: client, router, P (each in file order), D
         f"""CREATE TEMP TABLE tev_r AS
            SELECT {cols}, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp,
-             (CASE e.source WHEN 'client' THEN 0 ELSE 1 END::BIGINT << 58) + (coalesce(t.pass, 3)::BIGINT << 54)
+             (CASE e.source WHEN 'client' THEN 0 ELSE 1 END::BIGINT << 58) + (coalesce(s.pass, 3)::BIGINT << 54)
                + {REF.replace('f', 'e.f').replace('+ n', '+ e.n')} AS o
-           FROM ev_slot s JOIN ev e USING (f, n) LEFT JOIN tev t USING (f, n)
+           FROM ev_slot s JOIN ev e USING (f, n)
            UNION ALL SELECT {cols}, s.sid, CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END,
              (CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END::BIGINT << 58) + {REF.replace('f', 'e.f').replace(
                  '+ n', '+ e.n')}

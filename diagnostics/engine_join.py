@@ -87,7 +87,7 @@ def join_sql(only: str | None) -> list[str]:
              WHERE pass = 2) t JOIN lone l ON l.conv = t.cconv AND l.turn = t.turn WHERE t.k = 1""",
         # slots made by events: one per request id (its first event's conversation and turn), one per
         # conversation and number for events without a request id
-        """CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord,
+        """CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord, t.pass,
              CASE WHEN lt.rid IS NOT NULL THEN lt.rid ELSE t.request_id END AS rid, t.cconv, t.turn
            FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n""",
         """CREATE TEMP TABLE slot_src AS
@@ -121,11 +121,11 @@ def join_sql(only: str | None) -> list[str]:
            FROM (SELECT * FROM slot_src UNION ALL SELECT rid, conv, turn, ord, stage FROM cs_new)""",
         """CREATE TEMP TABLE by_rid AS SELECT rid, sid FROM slots WHERE rid IS NOT NULL""",
         """CREATE TEMP TABLE ev_slot AS
-           SELECT k.f, k.n, s.sid FROM ev_slot_key k JOIN slots s ON s.rid = k.rid
-           UNION ALL SELECT k.f, k.n, s.sid FROM ev_slot_key k JOIN slots s
+           SELECT k.f, k.n, s.sid, k.pass FROM ev_slot_key k JOIN slots s ON s.rid = k.rid
+           UNION ALL SELECT k.f, k.n, s.sid, k.pass FROM ev_slot_key k JOIN slots s
              ON k.rid IS NULL AND s.rid IS NULL AND s.conv = k.cconv AND s.turn = k.turn AND s.sid IN
                (SELECT sid FROM slots WHERE rid IS NULL)
-           UNION ALL SELECT r.f, r.n, b.sid FROM ev_rid_only r JOIN by_rid b USING (rid)""",
+           UNION ALL SELECT r.f, r.n, b.sid, NULL FROM ev_rid_only r JOIN by_rid b USING (rid)""",
         """CREATE TEMP TABLE px_slot AS SELECT p.*, b.sid FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
         """CREATE TEMP TABLE cs_slot AS
