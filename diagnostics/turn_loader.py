@@ -35,7 +35,7 @@ from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_doc
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
-from kvdiag.diagnostics.scan import grep_lines, grep_prefixed, grep_regex, head_lines
+from kvdiag.diagnostics.scan import grep_prefixed, grep_regex, head_lines
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.request_ids import header_request_id
@@ -189,7 +189,22 @@ def records(run: engine.Run) -> list[ConversationRecord]:
                               "ctx_decode_ttl, ctx_router_ttl FROM ctx").fetchall()[0]
     missing = [s for s, present in zip(SOURCES, ctx_row[:4], strict=True) if not present]
     fixes = FixContext(decode_ttl_s=ctx_row[4], router_ttl_s=ctx_row[5])
-    return records_from_table(engine.decided_rows(run), missing, fixes)
+    if run.con.execute("SELECT count(*) FROM decided").fetchall()[0][0] > FEW_TURNS:
+        return records_from_table(engine.decided_rows(run), missing, fixes)
+    cols, pairs = engine.decided_lists(run)
+    with gc_paused():
+        return _records(cols, [[_evidence(s, t) for s, t in items] for items in pairs], missing, fixes)
+
+
+FEW_TURNS: Final = 2000  # up to this many turns, records are built without Arrow (engine.decided_lists)
+
+
+def _evidence(source: str, text: str) -> Evidence:
+    e: Evidence = object.__new__(Evidence)  # a frozen dataclass: its __init__ goes through object.__setattr__
+    d = e.__dict__
+    d["source"] = source
+    d["text"] = text
+    return e
 
 
 @contextlib.contextmanager
@@ -234,7 +249,11 @@ def records_from_table(table: pa.Table, missing: list[str], fixes: FixContext) -
 def _records_from_table(table: pa.Table, missing: list[str], fixes: FixContext) -> list[ConversationRecord]:
     cols: dict[str, list[Any]] = {name: table.column(name).to_pylist() for name in table.column_names
                                   if name != "evidence"}
-    evidence = _evidence_lists(table)
+    return _records(cols, _evidence_lists(table), missing, fixes)
+
+
+def _records(cols: dict[str, list[Any]], evidence: list[list[Evidence]], missing: list[str], fixes: FixContext
+             ) -> list[ConversationRecord]:
     out: list[ConversationRecord] = []
     conv: ConversationRecord | None = None
     new = object.__new__
@@ -292,9 +311,8 @@ def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: 
         # exact matches only ("conv=<id>:" / "<id>" in quotes): id c1 must not pull in c10..c19
         if f.fmt != "proxy":
             return list(grep_prefixed(f.path, b'"', json_tags, tick, suffix=b'"'))
-        found = dict(grep_prefixed(f.path, b"conv=", [t.encode() for t in tags], tick, suffix=b":"))
-        found.update(grep_lines(f.path, [b"Ready: "]))  # restarts, for router_state_lost
-        return sorted(found.items())
+        # (and the restarts, for router_state_lost)
+        return list(grep_prefixed(f.path, b"conv=", [t.encode() for t in tags], tick, suffix=b":", also=[b"Ready: "]))
 
     # Pass 1: the lines naming the conversation (client, router, proxy, events).
     first = [f for f in files if f.fmt in ("events", "client_stats", "proxy") and not engine.is_json_document(f.path)]
@@ -317,9 +335,7 @@ def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: 
         if f.fmt == "proxy":
             return list(grep_prefixed(f.path, b"[", rid_needles, tick, suffix=b"]"))
         # events name the request as "request_id":"<id>" and/or an engine id "chatcmpl-<id>-<8>"
-        found = dict(grep_prefixed(f.path, b'"', rid_needles, tick))
-        found.update(grep_prefixed(f.path, b"cmpl-", rid_needles))
-        return sorted(found.items())
+        return list(grep_prefixed(f.path, (b'"', b"cmpl-"), rid_needles, tick))
 
     second_files = [f for f in files if f.fmt == "vllm" or (f.fmt in ("proxy", "events")
                                                            and _needs_second_pass(f, events, rids))]

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import duckdb
 import numpy as np
@@ -33,7 +33,7 @@ from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_facts import evidence_sql, facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
-from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
+from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
 from kvdiag.diagnostics.scan import GREP, grep_ere, grep_ere_to_file, grep_regex
 from kvdiag.schema.errors import KVDiagError
@@ -133,10 +133,42 @@ def new_run(files: list[LogFile], only: str | None = None) -> Run:
 def add_lines(run: Run, f: int, numbered: Iterable[tuple[int, bytes | str]]) -> None:
     """Lines of file ``f`` that Python read (a prefilter's, a compressed file's)."""
     lf = run.files[f]
-    table, _notes = ep.lines_arrow(f, numbered, run.stats, lf.path, json=lf.fmt in _JSON_FORMATS)
-    _insert(run.con, _TABLES[lf.fmt], table)
-    if _notes:
-        run.con.executemany("INSERT INTO notes VALUES (?, ?, ?)", _notes)
+    json = lf.fmt in _JSON_FORMATS
+    if isinstance(numbered, list) and len(numbered) <= SMALL_INSERT_ROWS:
+        ns, texts, notes = _decoded(f, numbered, run.stats, lf.path, json)
+        if ns:
+            run.con.execute(f"INSERT INTO {_TABLES[lf.fmt]} SELECT {f}, unnest($n), unnest($line)",
+                            {"n": ns, "line": texts})
+    else:
+        table, notes = ep.lines_arrow(f, numbered, run.stats, lf.path, json=json)
+        _insert(run.con, _TABLES[lf.fmt], table)
+    if notes:
+        run.con.executemany("INSERT INTO notes VALUES (?, ?, ?)", notes)
+
+
+# Up to this many lines (one conversation's) go in as list parameters: building Arrow arrays from Python
+# lists makes pyarrow import pandas (0.25 s, several times what inserting them costs).
+SMALL_INSERT_ROWS: Final = 20_000
+
+
+def _decoded(f: int, numbered: list[tuple[int, bytes | str]], stats: LineStats, path: str, json: bool
+             ) -> tuple[list[int], list[str], list[tuple[int, int, str]]]:
+    """engine_parse.lines_arrow's lines as Python lists (the same decoding, counts and notes)."""
+    ns: list[int] = []
+    texts: list[str] = []
+    notes: list[tuple[int, int, str]] = []
+    why = "not a JSON object" if json else "invalid UTF-8 or oversized line"
+    for lineno, raw in numbered:
+        text, ok = decode_line(raw)
+        if not ok:
+            stats.corrupt += 1
+            stats.note(path, lineno, why)
+            notes.append((f, lineno, why))
+            if json:
+                continue
+        ns.append(lineno)
+        texts.append(text.rstrip("\n"))
+    return ns, texts, notes
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
@@ -510,25 +542,44 @@ RECORD_COLUMNS: Final = (
 def decided_rows(run: Run, *, evidence: bool = True) -> pa.Table:
     """The decided turns, in conversation order (the columns TurnRecord and the turn table read); with
     ``evidence``, each turn's evidence as a list of {source, text}."""
-    cols = ", ".join(c for c in RECORD_COLUMNS if c != "evidence")
-    order = "ORDER BY conversation_id, pos"  # (conversation, place in it) is unique: one order for both queries
-    rows = run.con.sql(f"SELECT {cols} FROM decided {order}").to_arrow_table()
+    rows = run.con.sql(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").to_arrow_table()
     if not evidence:
         return rows
-    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT d.sid, r.ref, r.k FROM decided d, "
-                    "unnest(d.evidence) WITH ORDINALITY AS r(ref, k)")
-    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_text AS " + evidence_sql("ev_refs")
-                    + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext")
-    texts = "(SELECT DISTINCT ON (ref) * FROM ev_text)" if run.con.execute(
-        "SELECT count(*) FROM wtext").fetchall()[0][0] else "ev_text"  # only a window's text can repeat a ref
-    # One flat, sorted list of every turn's evidence, cut into lists by offsets: an ordered list() per turn
-    # in DuckDB costs several times more.
-    flat = run.con.sql(f"""SELECT o.i, t.source, t.text FROM ev_refs r
-        JOIN (SELECT sid, row_number() OVER ({order}) - 1 AS i FROM decided) o USING (sid)
-        JOIN {texts} t USING (ref) ORDER BY o.i, r.k""").to_arrow_table()
+    flat = run.con.sql(_evidence_flat(run)).to_arrow_table()
     counts = np.zeros(rows.num_rows + 1, dtype=np.int64)
     np.add.at(counts, flat.column("i").to_numpy() + 1, 1)
     values = pa.StructArray.from_arrays([flat.column("source").combine_chunks(), flat.column("text").combine_chunks()],
                                         names=["source", "text"])
     return rows.append_column("evidence", pa.ListArray.from_arrays(pa.array(np.cumsum(counts), pa.int32()),
                                                                    values))
+
+
+def decided_lists(run: Run) -> tuple[dict[str, list[Any]], list[list[tuple[str, str]]]]:
+    """:func:`decided_rows` as Python lists: each column's values, and each turn's evidence as (source, text)
+    pairs. For a few turns (one conversation): pyarrow's first use would cost more than the rows (it
+    imports pandas)."""
+    cols = [c for c in RECORD_COLUMNS if c != "evidence"]
+    rows = run.con.execute(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").fetchall()
+    columns = {c: [r[k] for r in rows] for k, c in enumerate(cols)}
+    evidence: list[list[tuple[str, str]]] = [[] for _ in rows]
+    for i, source, text in run.con.execute(_evidence_flat(run)).fetchall():
+        evidence[i].append((source, text))
+    return columns, evidence
+
+
+_ORDER: Final = "ORDER BY conversation_id, pos"  # (conversation, place in it) is unique: one order for every query
+_RECORD_SELECT: Final = ", ".join(c for c in RECORD_COLUMNS if c != "evidence")
+
+
+def _evidence_flat(run: Run) -> str:
+    """The query of every turn's evidence as one flat table (turn index, source, text) in turn order, then
+    each turn's own order: an ordered ``list()`` per turn in DuckDB costs several times more."""
+    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT d.sid, r.ref, r.k FROM decided d, "
+                    "unnest(d.evidence) WITH ORDINALITY AS r(ref, k)")
+    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_text AS " + evidence_sql("ev_refs")
+                    + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext")
+    texts = "(SELECT DISTINCT ON (ref) * FROM ev_text)" if run.con.execute(
+        "SELECT count(*) FROM wtext").fetchall()[0][0] else "ev_text"  # only a window's text can repeat a ref
+    return f"""SELECT o.i, t.source, t.text FROM ev_refs r
+        JOIN (SELECT sid, row_number() OVER ({_ORDER}) - 1 AS i FROM decided) o USING (sid)
+        JOIN {texts} t USING (ref) ORDER BY o.i, r.k"""

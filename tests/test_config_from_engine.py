@@ -10,7 +10,7 @@ is read (DuckDB; Python for carriage returns, invalid UTF-8, over-long lines).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -95,7 +95,12 @@ def test_engine_lines_equal_a_scan_of_its_own(tmp_path: Path, edit: Callable[[st
     table = load_turn_table(folder)
     reads: list[str] = []
     real = advise_config._lines
-    monkeypatch.setattr(advise_config, "_lines", lambda path, needles: reads.append(str(path)) or real(path, needles))
+
+    def counted(path: Path, needles: tuple[str, ...]) -> Iterator[tuple[int, str]]:
+        reads.append(str(path))
+        return real(path, needles)
+
+    monkeypatch.setattr(advise_config, "_lines", counted)
     after = scan_config(folder)
     assert after == alone
     assert not [p for p in reads if p.endswith(("prefill.log", "decode.log"))]  # taken from the engine's grep

@@ -1,0 +1,56 @@
+"""One conversation goes through the engine without Arrow tables built from Python (pyarrow would import
+pandas: 0.25 s, more than the engine takes on a few dozen lines); the records are the same either way."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdiag.diagnostics import engine_parse as ep
+from kvdiag.diagnostics import turn_loader
+from kvdiag.diagnostics import verdict_engine as engine
+from kvdiag.diagnostics.detect import detect
+from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_small_inserts_decode_as_lines_arrow(json_lines: bool) -> None:
+    numbered: list[tuple[int, bytes | str]] = [
+        (1, b'{"a": 1}\n'), (2, b"caf\xc3\xa9 ok\n"), (3, b"bad \xff byte\n"), (4, b"x" * (MAX_LINE_CHARS + 5)),
+        (5, "already text\n"), (9, b"")]
+    s1, s2 = LineStats(), LineStats()
+    table, notes = ep.lines_arrow(7, numbered, s1, "p.log", json=json_lines)
+    ns, texts, notes2 = engine._decoded(7, numbered, s2, "p.log", json_lines)
+    assert (table.column("n").to_pylist(), table.column("line").to_pylist(), notes) == (ns, texts, notes2)
+    assert s1 == s2 and s1.corrupt == 2
+
+
+def test_records_from_lists_equal_records_from_arrow(monkeypatch: pytest.MonkeyPatch) -> None:
+    files = detect([str(FIXTURES / "real_vllm_info")])
+    run = turn_loader.run_all(files)
+    try:
+        few = turn_loader.records(run)
+        monkeypatch.setattr(turn_loader, "FEW_TURNS", 0)
+        many = turn_loader.records(run)
+    finally:
+        run.con.close()
+    assert sum(len(c.turns) for c in few) == 25
+    assert any(t.evidence for c in few for t in c.turns)
+    assert [c.to_json_dict() for c in few] == [c.to_json_dict() for c in many]
+
+
+def test_one_conversation_does_not_import_pandas(tmp_path: Path) -> None:
+    folder = FIXTURES / "real_vllm_info"
+    conv = turn_loader.load_turns([str(folder)])[0].conversation_id
+    code = ("import sys, json; from kvdiag.diagnostics.turn_loader import explain_conversation; "
+            f"c = explain_conversation([{str(folder)!r}], {conv!r}); "
+            "print(json.dumps([len(c.turns), 'pandas' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    turns, pandas_loaded = json.loads(out)
+    assert turns >= 1 and pandas_loaded is False

@@ -1,0 +1,83 @@
+"""grep_prefixed finds the same lines with grep's PCRE matcher, its POSIX one and Python's ``re``.
+
+One conversation's prefilter runs grep -P where grep has it (several times faster on JSON and proxy
+lines); the lines it keeps must be exactly those the other matchers keep, the id boundaries included.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvdiag.diagnostics import scan
+from kvdiag.diagnostics.detect import LogReadError
+
+LINES = [
+    '{"conversation_id": "c1", "request_id": "r1"}',
+    '{"conversation_id": "c10", "request_id": "r10"}',  # c1 must not pull in c10
+    '{"conversation_id":"c1","engine_request_id":"chatcmpl-r1.a-0f0f0f0f"}',
+    "2026-11-29 07:00:00 INFO conv=c1: stored handle for [r1.a]",
+    "2026-11-29 07:00:01 INFO conv=c1x: stored handle for [r2]",
+    "2026-11-29 07:00:02 INFO Ready: listening on 8000",
+    "2026-11-29 07:00:03 INFO Ready? not a restart line",
+    "INFO 11-29 07:00:04 [core.py:1] Received request cmpl-r1.a-77 with \xff in it",
+    "INFO 11-29 07:00:05 [core.py:1] Received request cmpl-r1xa-77 (the dot is not a wildcard)",
+    "a line with \x1b[0m colours and conv=c1: at its end",
+]
+CASES = [
+    (b'"', [b"c1"], b'"', ()),
+    (b"conv=", [b"c1"], b":", (b"Ready: ",)),
+    ((b'"', b"cmpl-"), [b"r1", b"r1.a"], b"", ()),
+    (b"[", [b"r1.a", b"r2"], b"]", ()),
+    (b"cmpl-", [b"r1.a"], b"", ()),
+]
+
+
+@pytest.fixture()
+def log(tmp_path: Path) -> Path:
+    path = tmp_path / "mixed.log"
+    path.write_bytes(b"".join(line.encode("utf-8", errors="surrogateescape").replace(b"\xc3\xbf", b"\xff")
+                              + b"\n" for line in LINES))
+    return path
+
+
+@pytest.mark.parametrize(("prefix", "needles", "suffix", "also"), CASES)
+def test_every_matcher_keeps_the_same_lines(log: Path, monkeypatch: pytest.MonkeyPatch,
+                                            prefix: bytes | tuple[bytes, ...], needles: list[bytes], suffix: bytes,
+                                            also: tuple[bytes, ...]) -> None:
+    assert scan.has_pcre()  # GNU grep with PCRE on this machine: the -P path below is the one exercised
+    pcre = list(scan.grep_prefixed(str(log), prefix, needles, suffix=suffix, also=also))
+    monkeypatch.setattr(scan, "has_pcre", lambda: False)
+    ere = list(scan.grep_prefixed(str(log), prefix, needles, suffix=suffix, also=also))
+    gz = log.with_suffix(".log.gz")
+    with gzip.open(gz, "wb") as fh:
+        fh.write(log.read_bytes())
+    python = list(scan.grep_prefixed(str(gz), prefix, needles, suffix=suffix, also=also))
+    assert pcre == ere == python
+    assert pcre  # every case finds something
+
+
+def test_boundaries_and_fixed_strings(log: Path) -> None:
+    found = [n for n, _ in scan.grep_prefixed(str(log), b'"', [b"c1"], suffix=b'"')]
+    assert found == [1, 3]  # not c10
+    found = [n for n, _ in scan.grep_prefixed(str(log), b"conv=", [b"c1"], suffix=b":", also=[b"Ready: "])]
+    assert found == [4, 6, 10]  # not c1x, not "Ready?"
+    found = [n for n, _ in scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"])]
+    assert found == [3, 8]  # the dot is literal: not cmpl-r1xa
+    assert [n for n, _ in scan.grep_prefixed(str(log), b"conv=", [], also=[b"Ready: "])] == [6]
+
+
+def test_a_pcre_failure_falls_back_to_the_posix_matcher(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = scan._system_grep
+
+    def refuse_pcre(path: str, args: list[str], progress: scan.ProgressFn | None) -> Iterator[tuple[int, bytes]]:
+        if "-P" in args:
+            raise LogReadError(f"cannot read {path}: exceeded PCRE's line length limit")
+        return real(path, args, progress)
+
+    expected = list(scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"]))
+    monkeypatch.setattr(scan, "_system_grep", refuse_pcre)
+    assert list(scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"])) == expected
