@@ -10,9 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-from kvdiag.diagnostics.html_timeline import render_conversations_html
 from kvdiag.diagnostics.records import TurnRecord
 from kvdiag.diagnostics.terminal import explain_all_renderables, explain_renderables
 from kvdiag.diagnostics.turn_loader import (
@@ -37,9 +35,12 @@ def output_console(width: int | None, wide: bool) -> Console:
     return Console(width=width) if width else Console()
 
 
-def _progress_fn(console: Console, enabled: bool) -> tuple[Progress | None, Any]:
+def _progress_fn(console: Console, enabled: bool) -> tuple[Any, Any]:
     if not enabled:
         return None, None
+    # (imported here: a run without a bar, piped or --no-progress, does not pay for rich.progress)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn  # noqa: PLC0415
+
     bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                    TimeRemainingColumn(), console=console, transient=True)
     task = bar.add_task("reading logs", total=None)
@@ -109,6 +110,8 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
                    "decode logs (files, globs or a folder); docs/verdicts.md lists the formats read.", err=True)
         sys.exit(2)
     if html_path:
+        from kvdiag.diagnostics.html_timeline import render_conversations_html  # noqa: PLC0415 - only with --html
+
         try:
             written = render_conversations_html(convs, html_path, decoder_ttl=decoder_ttl,
                                                 title=f"kvdiag explain: {conversation_id or 'all conversations'}")

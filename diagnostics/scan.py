@@ -188,9 +188,29 @@ def head_lines(path: str, keywords: Sequence[bytes], limit: int) -> Iterator[tup
             head = fh.read(limit)
     except (OSError, EOFError) as exc:
         raise LogReadError(f"cannot read {path}: {exc}") from None
-    lines = [ln + b"\n" for ln in head.split(b"\n")]
+    body = head if len(head) < limit else head[:head.rfind(b"\n") + 1]
+    if any(not k or b"\n" in k for k in keywords):  # (such a keyword is in every line, or in none)
+        yield from _head_lines_split(body, keywords)
+        return
+    starts: set[int] = set()  # where each line holding a keyword starts (bytes.find, not a split into lines)
+    for k in keywords:
+        at = body.find(k)
+        while at >= 0:
+            starts.add(body.rfind(b"\n", 0, at) + 1)
+            end = body.find(b"\n", at)
+            at = body.find(k, end + 1) if end >= 0 else -1
+    lineno, counted = 1, 0
+    for start in sorted(starts):
+        lineno += body.count(b"\n", counted, start)
+        counted = start
+        end = body.find(b"\n", start)
+        yield lineno, body[start:end + 1] if end >= 0 else body[start:]
+
+
+def _head_lines_split(body: bytes, keywords: Sequence[bytes]) -> Iterator[tuple[int, bytes]]:
+    lines = [ln + b"\n" for ln in body.split(b"\n")]
     tail = lines.pop()[:-1]
-    if tail and len(head) < limit:
+    if tail:
         lines.append(tail)
     for lineno, line in enumerate(lines, start=1):
         if any(k in line for k in keywords):

@@ -7,6 +7,7 @@ lines); the lines it keeps must be exactly those the other matchers keep, the id
 from __future__ import annotations
 
 import gzip
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +82,21 @@ def test_a_pcre_failure_falls_back_to_the_posix_matcher(log: Path, monkeypatch: 
     expected = list(scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"]))
     monkeypatch.setattr(scan, "_system_grep", refuse_pcre)
     assert list(scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"])) == expected
+
+
+def test_head_lines_finds_what_a_split_into_lines_finds(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    keyword_sets: list[tuple[bytes, ...]] = [(b"ab",), (b"a", b"ab", b"b"), (b"xy", b"\ry")]
+    checked = 0
+    for trial in range(200):
+        data = bytes(rng.choice(b"ab\nxy\r") for _ in range(rng.randint(0, 200)))
+        path = tmp_path / f"t{trial}.log"
+        path.write_bytes(data)
+        for keywords in keyword_sets:
+            for limit in (1, 7, 64, 199, 200, 1000):
+                head = data[:limit]
+                body = head if len(head) < limit else head[:head.rfind(b"\n") + 1]
+                expected = list(scan._head_lines_split(body, keywords))
+                assert list(scan.head_lines(str(path), keywords, limit)) == expected
+                checked += bool(expected)
+    assert checked > 500  # most cases find lines
