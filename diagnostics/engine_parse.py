@@ -272,6 +272,23 @@ def _re2(pattern: re.Pattern[str]) -> str:
     return ("(?s)" if pattern.flags & re.DOTALL else "") + "".join(out)
 
 
+ASCII: Final = "strlen({0}) = length({0})"  # bytes = characters: the text is ASCII
+
+
+def _rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str | None = None) -> str:
+    """``fn(col, pattern, args...)`` for a Python pattern, read by RE2 as Python reads it. An ASCII text takes
+    the pattern as written (on ASCII, RE2's ``\\w``, ``\\d`` and ``\\b`` are Python's, and several times
+    faster than the Unicode classes); any other text its Unicode-aware form (``_re2``). ``ascii_flag``: a
+    column that already says whether ``col`` is ASCII."""
+    rest = "".join(f", {a}" for a in args)
+    uni = f"{fn}({col}, {sql_str(_re2(regex))}{rest})"
+    ascii_pattern = ("(?s)" if regex.flags & re.DOTALL else "") + regex.pattern
+    if ascii_pattern == _re2(regex):
+        return uni
+    flag = ascii_flag or ASCII.format(col)
+    return f"CASE WHEN {flag} THEN {fn}({col}, {sql_str(ascii_pattern)}{rest}) ELSE {uni} END"
+
+
 def _between(start: str, end: str | None) -> str:
     """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end)."""
     after = f"substr(msg, strpos(msg, {sql_str(start)}) + {len(start)})"
@@ -338,7 +355,7 @@ def parse_proxy_sql() -> list[str]:
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
     # PROXY_RE up to its message: a line holds no newline, so "(?P<msg>.*)$" matches whatever follows (and
     # RE2 stops at the prefix instead of scanning to the end)
-    head = sql_str(_re2(PROXY_HEAD_RE))
+
     # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message
     rest = "substr(t, strpos(t, '] ') + 2)"
     return [
@@ -350,7 +367,7 @@ def parse_proxy_sql() -> list[str]:
                   substr({rest}, strpos({rest}, ': ') + 2) AS msg, left(substr({rest}, strpos({rest}, ': ') + 2), 1)
                     AS lead
                 FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
-                WHERE regexp_matches(t, {head})),
+                WHERE regexp_matches(t, {sql_str(_re2(PROXY_HEAD_RE))})),
             c AS MATERIALIZED (SELECT *, CASE {' '.join(kinds)} END AS k FROM m)
             SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
               SELECT f, n, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
@@ -382,6 +399,11 @@ def _optional_groups(regex: re.Pattern[str]) -> set[str]:
 
 def _in_ordered(values: list[str]) -> str:
     return ", ".join(sql_str(v) for v in values)
+
+
+def _group_list(regex: re.Pattern[str]) -> str:
+    """regexp_extract's list of names for the pattern's groups, in order (g1, g2, ...)."""
+    return "[" + _in_ordered([f"g{g}" for g in range(1, regex.groups + 1)]) + "]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,8 +474,12 @@ def _field(i: int, kind: str, regex: re.Pattern[str], col: str) -> str | None:
     return _VLLM_FIELDS.get(kind, {}).get(col)
 
 
-_STD_HEADER: Final = sql_str(r"^(?:\([\pL\pN_.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
-                             r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]{1,300}:\d+\]")
+# vLLM's own header shape (HEADER_RE without VLLM_LOGGING_PREFIX), which vl_head cuts by position
+STD_HEADER_RE: Final = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
+                                  r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]{1,300}:\d+\]")
+
+
+HEADER_GROUPS: Final = "['proc', 'pid', 'prefix', 'lvl', 'ts', 'file', 'line', 'msg']"
 
 
 def parse_vllm_sql() -> list[str]:
@@ -461,12 +487,11 @@ def parse_vllm_sql() -> list[str]:
 
     Each line is read alone (a traceback or a CR-continued line is not folded into the record before it,
     as vllm_log's parser folds them): a record is its first line."""
-    header = sql_str(_re2(vllm_log.HEADER_RE))
     classes = [c for c in _classifiers() if c[1] in _VLLM_FIELDS or c[1] == "aborted"]
     word = "split_part(split_part(msg, ' ', 1), '(', 1)"
     whens = []
     for i, _kind, regex, first in classes:
-        cond = f"regexp_matches(msg, {sql_str(_re2(regex))})"
+        cond = _rx("regexp_matches", "msg", regex, ascii_flag="a")
         whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
                      else f"WHEN {cond} THEN {i}")
     fields = []
@@ -479,17 +504,19 @@ def parse_vllm_sql() -> list[str]:
         fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
                       else f"CAST(NULL AS {ctype}) AS {col}")
     structs = ", ".join(
-        f"CASE WHEN k = {i} THEN regexp_extract(msg, {sql_str(_re2(regex))}, "
-        f"[{_in_ordered([f'g{g}' for g in range(1, regex.groups + 1)])}]) END AS x{i}"
+        f"CASE WHEN k = {i} THEN "
+        f"{_rx('regexp_extract', 'msg', regex, _group_list(regex), ascii_flag='a')}"
+        f" END AS x{i}"
         for i, _kind, regex, _first in classes if regex.groups)
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
     return [
-        f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, regexp_matches(t, {_STD_HEADER}) AS std
-            FROM (SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
-                  FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
-            WHERE length(t) < {MAX_LINE_CHARS}
-              AND CASE WHEN regexp_matches(t, {_STD_HEADER}) THEN true ELSE regexp_matches(t, {header}) END""",
+        f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, std FROM (
+              SELECT f, n, t, {_rx('regexp_matches', 't', STD_HEADER_RE)} AS std FROM (
+                SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
+                FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
+              WHERE length(t) < {MAX_LINE_CHARS})
+            WHERE std OR {_rx('regexp_matches', 't', vllm_log.HEADER_RE)}""",
         # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position; any other
         # prefix (VLLM_LOGGING_PREFIX) through the full pattern
         f"""CREATE TEMP TABLE vl_head AS
@@ -505,10 +532,11 @@ def parse_vllm_sql() -> list[str]:
                    ELSE substr(al, strpos(al, ']') + 1) END AS msg
             FROM l
             UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
-            FROM (SELECT f, n, regexp_extract(t, {header}, ['proc', 'pid', 'prefix', 'lvl', 'ts', 'file', 'line',
-                                                           'msg']) AS h FROM vl_clean WHERE NOT std)""",
+            FROM (SELECT f, n, {_rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
+                  FROM vl_clean WHERE NOT std)""",
         f"""CREATE TEMP TABLE vl AS SELECT f, n,
               NULL::VARCHAR AS text, level, ts, CASE k {kind_names} END AS kind, {', '.join(fields)}
             FROM (SELECT *, {structs} FROM (SELECT *, {'CASE ' + ' '.join(whens) + ' END'} AS k
-                                            FROM (SELECT *, {word} AS w FROM vl_head)))""",
+                                            FROM (SELECT *, {word} AS w, {ASCII.format('msg')} AS a
+                                                  FROM vl_head)))""",
     ]

@@ -192,3 +192,22 @@ def test_lines_are_numbered_as_grep_numbers_them(tmp_path: Path, line: str) -> N
     con.execute(ep.read_lines_sql("lines_vllm", 0, str(path)))
     rows = con.execute("SELECT n, line FROM lines_vllm ORDER BY n").fetchall()
     assert [(n, text) for n, text in rows if text and text.strip()] == [(1, line), (3, line), (5, line)]
+
+
+def test_non_ascii_lines_take_the_unicode_patterns(tmp_path: Path) -> None:
+    """ASCII lines are matched with the patterns as written (faster); a line with other characters must take
+    the Unicode-aware form, or an id with a letter like "é" would lose its kind and its request id."""
+    ids = ["chatcmpl-é1", "chatcmpl-a1", "ß-req"]
+    path = tmp_path / "prefill.log"
+    path.write_text("".join(f"(APIServer pid=1) INFO 11-29 06:54:50 [logger.py:45] Received request {r}: params\n"
+                            f"(wörker pid=2) INFO 11-29 06:54:51 [nixl.py:9] Skipping remote pull for {r}: 40 remote "
+                            "tokens < threshold 64\n" for r in ids), encoding="utf-8")
+    con, _loaded = _engine([path])
+    got = con.execute("SELECT kind, request_id FROM vl ORDER BY n").fetchall()
+    assert got == [(k, r) for r in ids for k in ("received_request", "skip_remote_pull")]
+    # the control: RE2 reads the pattern as written in ASCII, so on these lines only the Unicode form matches
+    received = next(p for k, p, _c in ep.vllm_log._CLASSIFIERS if k == "received_request")
+    as_written = con.execute("SELECT regexp_matches($t, $p), regexp_matches($t, $u)",
+                             {"t": "Received request chatcmpl-é1: params", "p": received.pattern,
+                              "u": ep._re2(received)}).fetchall()[0]
+    assert as_written == (False, True)
