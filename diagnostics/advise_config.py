@@ -131,16 +131,27 @@ def _effect(line: str, role: Role) -> Effect | None:
 
 
 def line_effects(numbered: Iterable[tuple[int, str]], role: Role) -> list[tuple[int, Effect]]:
-    """(line number, effect) of each marker line of one file whose effect no earlier line of that file had:
-    a repeat can only set values its first occurrence already set, so dropping it changes nothing."""
-    seen: set[Effect] = set()
+    """(line number, effect) of the marker lines of one file that can still set a value: the first of each
+    kind. A later line of a kind seen in the file only sets values that first one set (values are never
+    overwritten), so dropping it changes nothing; only a startup line with the TTL after one without can
+    add a value. A line whose every marker's kind was seen is not parsed at all."""
+    seen: set[object] = set()
     out: list[tuple[int, Effect]] = []
     for lineno, line in numbered:
+        if all(kind in seen for marker, kind in _MARKER_KINDS if marker in line):
+            continue  # (a line without a marker too: it says nothing)
         e = _effect(line, role)
-        if e is not None and e not in seen:
-            seen.add(e)
+        if e is None:
+            continue
+        kind = ("startup", e[2] is not None) if e[0] == "startup" else e[0]
+        if kind not in seen:
+            seen.add(kind)
             out.append((lineno, e))
     return out
+
+
+# each marker with the kind of effect a line holding it can have (a startup line: at most the one with a TTL)
+_MARKER_KINDS: Final = tuple(zip(MARKERS, (("startup", True), "hold", "policy", "stale", "hang"), strict=True))
 
 
 def _apply(cfg: DeploymentConfig, e: Effect, role: Role, where: str) -> None:

@@ -9,6 +9,7 @@ is read (DuckDB; Python for carriage returns, invalid UTF-8, over-long lines).
 
 from __future__ import annotations
 
+import random
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,4 +125,37 @@ def test_a_changed_file_is_scanned_again(tmp_path: Path) -> None:
 def test_repeated_effects_keep_the_first_line() -> None:
     lines = [(1, "x stale cache entry (age=9.0s > ttl=450.0s)"), (2, "y stale cache entry (age=3.0s > ttl=450.0s)"),
              (3, "z stale cache entry (age=3.0s > ttl=300.0s)"), (4, "no marker here")]
-    assert advise_config.line_effects(lines, "router") == [(1, ("stale", 450.0)), (3, ("stale", 300.0))]
+    assert advise_config.line_effects(lines, "router") == [(1, ("stale", 450.0))]
+
+
+def test_dropping_repeats_gives_what_every_line_gives() -> None:
+    pool = [
+        "Bidirectional KV transfer is enabled and the kv recompute threshold is set to 64 tokens.",
+        "Bidirectional KV transfer is enabled and the kv recompute threshold is set to 32 tokens.KV blocks on D are "
+        "released after a TTL of 300 seconds.",
+        "Bidirectional KV transfer is enabled (no threshold said)",
+        "NIXLConnector request_finished(r1) waiting for 480 seconds before releasing blocks",
+        "NIXLConnector request_finished(r2) waiting for 90 seconds before releasing blocks",
+        "Failing 1 request(s) due to KV load failure (failure_policy=fail, 12 tokens affected).",
+        "Recovered from KV load failure: 1 request(s) rescheduled (3 tokens affected).",
+        "r9 is still in WAITING_FOR_REMOTE_KVS state.",
+        "conv=c1: stale cache entry (age=500.0s > ttl=450.0s), discarding",
+        "conv=c2: stale cache entry (age=99.0s > ttl=60.0s), discarding",
+        "stale cache entry after KV load failure (failure_policy=recompute, 1 tokens affected)",
+        "Bidirectional KV transfer is enabled; stale cache entry (age=1.0s > ttl=5.0s) WAITING_FOR_REMOTE_KVS",
+        "no marker at all",
+    ]
+    roles: list[advise_config.Role] = ["prefill", "decode", "router", "unknown"]
+    rng = random.Random(13)
+    for _ in range(400):
+        files = [(f"f{i}", rng.choice(roles), [(n, rng.choice(pool)) for n in range(1, rng.randint(1, 12))])
+                 for i in range(rng.randint(1, 4))]
+        every, reduced = advise_config.DeploymentConfig(), advise_config.DeploymentConfig()
+        for name, role, lines in files:
+            for n, line in lines:
+                e = advise_config._effect(line, role)
+                if e is not None:
+                    advise_config._apply(every, e, role, f"{name}:{n}")
+            for n, e in advise_config.line_effects(lines, role):
+                advise_config._apply(reduced, e, role, f"{name}:{n}")
+        assert reduced == every
