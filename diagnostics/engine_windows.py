@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Final
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError
 from kvdiag.diagnostics.json_logs import EventRecord
-from kvdiag.diagnostics.proxy_log_parser import ProxyRecord, parse_proxy_numbered, wall_clock
+from kvdiag.diagnostics.proxy_log_parser import ProxyRecord, parse_proxy_numbered
 from kvdiag.diagnostics.verdict_engine import Run, apply_windows
 from kvdiag.diagnostics.vllm_log_parser import VllmRecord, parse_vllm_numbered
 from kvdiag.diagnostics.window_load import _periodic, _probe, ledger_for_conversation, ledger_for_index
@@ -68,15 +69,21 @@ def decide_windows(run: Run, wanted: Sequence[str], *, one: bool) -> None:
     apply_windows(run, rows)
 
 
+# proxy_log_parser.wall_clock in SQL: the day read as a calendar date (NULL when it is none), then the clock
+PROXY_WALL_CLOCK: Final = ("epoch(TRY_CAST(left(ts, 10) AS DATE)) + TRY_CAST(substr(ts, 12, 2) AS INTEGER) * 3600 "
+                           "+ TRY_CAST(substr(ts, 15, 2) AS INTEGER) * 60 + TRY_CAST(substr(ts, 18, 2) AS INTEGER)")
+
+
 def _periodic_stats(run: Run) -> bool:
     """P's stat lines around the middle offer are periodic (a bisected look at each P log, before any parsing)."""
-    sent = sorted(t for (ts,) in run.con.execute("SELECT ts FROM pl WHERE kind = 'sending'").fetchall()
-                  if (t := wall_clock(ts)) is not None)
-    if not sent:
+    # the middle offer's time (wall_clock's reading of the proxy's clock, in SQL: only one value is needed)
+    middle = run.con.execute(f"""WITH s AS (SELECT {PROXY_WALL_CLOCK} AS t FROM pl WHERE kind = 'sending')
+        SELECT t FROM s WHERE t IS NOT NULL ORDER BY t LIMIT 1 OFFSET (SELECT count(t) // 2 FROM s)""").fetchall()
+    if not middle:
         return False
     p_files = [lf.path for lf, (role,) in zip(run.files, run.con.execute(
         "SELECT role FROM froles ORDER BY f").fetchall(), strict=True) if lf.fmt == "vllm" and role == "prefill"]
-    return all(_periodic(_probe(path, sent[len(sent) // 2])) for path in p_files)
+    return all(_periodic(_probe(path, float(middle[0][0]))) for path in p_files)
 
 
 def findings(ledger: Ledger, wanted: Sequence[str], files: list[LogFile]
