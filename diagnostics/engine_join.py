@@ -187,13 +187,15 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
     return [
         # a request's defining line (sending / miss / no_handle) takes the HIT, stale or history line logged
         # just before it for its conversation
-        """CREATE TEMP TABLE px_def AS SELECT * FROM (
-             SELECT *, lag(kind) OVER w AS head_kind, lag(f) OVER w AS head_f, lag(n) OVER w AS head_n,
-               lag(age) OVER w AS head_age, lag(ttl) OVER w AS head_ttl, lag(why) OVER w AS head_why,
-               lag(seq) OVER w AS head_seq
-             FROM pl WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL
-             WINDOW w AS (PARTITION BY cconv ORDER BY seq))
-           WHERE kind IN ('sending', 'miss', 'no_handle') AND rid IS NOT NULL""",
+        # (the window carries only the line's place; the lines are joined back by it: a window over every
+        # column sorts them all)
+        """CREATE TEMP TABLE px_def AS
+           WITH w AS (SELECT seq, kind, lag(seq) OVER (PARTITION BY cconv ORDER BY seq) AS head_seq FROM pl
+                      WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL)
+           SELECT p.*, h.kind AS head_kind, h.f AS head_f, h.n AS head_n, h.age AS head_age, h.ttl AS head_ttl,
+             h.why AS head_why, w.head_seq
+           FROM w JOIN pl p ON p.seq = w.seq LEFT JOIN pl h ON h.seq = w.head_seq
+           WHERE w.kind IN ('sending', 'miss', 'no_handle') AND p.rid IS NOT NULL""",
         """CREATE TEMP TABLE px_first AS SELECT rid, min(seq) AS seq FROM pl WHERE rid IS NOT NULL
              AND kind NOT IN ('cached', 'ready') GROUP BY rid""",
         # the last defining line of a request decides its lookup (correlate overwrites it)
