@@ -284,6 +284,12 @@ def _grep_chunks(path: str, pattern: re.Pattern[bytes], progress: ProgressFn | N
         lineno += chunk.count(b"\n", pos)
 
 
+def is_json_document(path: str) -> bool:
+    """True for a client-statistics file that is one JSON document (an array), not JSON lines."""
+    with open_binary(path) as fh:
+        return fh.read(4096).lstrip().startswith(b"[")
+
+
 def read_all_lines(path: str, progress: ProgressFn | None = None) -> Iterator[tuple[int, bytes]]:
     """Every line with its number (the no-prefilter path)."""
     lineno = 1

@@ -15,36 +15,49 @@ from __future__ import annotations
 import contextlib
 import difflib
 import gc
+import importlib
 import itertools
 import json
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import pyarrow as pa
-
-from kvdiag.diagnostics import verdict_engine as engine
 from kvdiag.diagnostics.advise_config import MARKERS, remember_marker_lines
 from kvdiag.diagnostics.conversation_ids import id_tags
 from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
-from kvdiag.diagnostics.engine_windows import decide_windows
 from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_document, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
-from kvdiag.diagnostics.scan import grep_prefixed, grep_regex, head_lines
+from kvdiag.diagnostics.scan import grep_prefixed, grep_regex, head_lines, is_json_document
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.request_ids import header_request_id
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from kvdiag.diagnostics import verdict_engine as engine
+
+# The engine (duckdb, pyarrow, numpy: ~0.15 s to import) is imported where it is used, so one
+# conversation can import it on a second thread while its greps run.
+
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
-# The message starts the engine's vLLM prefilter keeps (engine.VLLM_PREFILTER), as bytes.
-VLLM_KEYWORDS: Final = tuple(s.encode() for s in engine.VLLM_MESSAGE_STARTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "VLLM_KEYWORDS":  # the message starts the engine's vLLM prefilter keeps, as bytes
+        from kvdiag.diagnostics import verdict_engine  # noqa: PLC0415
+
+        return tuple(s.encode() for s in verdict_engine.VLLM_MESSAGE_STARTS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 HEAD_KEYWORDS: Final = (b"Bidirectional KV transfer is enabled", b"remote block size")
 HEAD_BYTES: Final = 4 * 1024 * 1024  # engine settings are logged at startup
 SOURCES: Final = ("client", "router", "prefill", "decode")
@@ -129,6 +142,9 @@ def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows
     closes ``run.con``); without ``evidence`` no turn keeps its evidence refs (the turn table reads none).
     With ``config_lines`` the vLLM logs' configuration lines are kept for advise_config.scan_config (report
     and advise read both), found by the same grep."""
+    from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
+    from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
+
     run = engine.new_run(files)
     run.evidence = evidence
     if config_lines:
@@ -185,6 +201,8 @@ _DIRECT: Final = ("turn", "request_id", "start_ts", "ttft_ms", "latency_ms", "pr
 
 def records(run: engine.Run) -> list[ConversationRecord]:
     """The engine's decided turns as ConversationRecords (turns in order, fixes sharpened)."""
+    from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
+
     ctx_row = run.con.execute("SELECT ctx_has_client, ctx_has_router, ctx_has_prefill, ctx_has_decode, "
                               "ctx_decode_ttl, ctx_router_ttl FROM ctx").fetchall()[0]
     missing = [s for s, present in zip(SOURCES, ctx_row[:4], strict=True) if not present]
@@ -301,6 +319,23 @@ def explain_conversation(paths: Iterable[str] | StagedInputs, conversation_id: s
 
 def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None, *,
                           stats: LineStats) -> ConversationRecord:
+    # The engine is imported on a second thread while the greps below run (they wait on grep, not on
+    # Python), so its import costs no wall time of its own.
+    loading = threading.Thread(target=_import_engine, name="kvdiag-engine-import", daemon=True)
+    loading.start()
+    try:
+        return _explain_prefiltered(paths, conversation_id, progress, stats=stats)
+    finally:
+        loading.join()
+
+
+def _import_engine() -> None:
+    with contextlib.suppress(Exception):  # (a failure is raised again by the import where it is used)
+        importlib.import_module("kvdiag.diagnostics.engine_windows")  # (which imports verdict_engine)
+
+
+def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None, *,
+                         stats: LineStats) -> ConversationRecord:
     files = _detect(paths, stats)
     tick = _Progress(sum(f.size for f in files), progress, 2)
     tags = id_tags(conversation_id)
@@ -315,10 +350,10 @@ def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: 
         return list(grep_prefixed(f.path, b"conv=", [t.encode() for t in tags], tick, suffix=b":", also=[b"Ready: "]))
 
     # Pass 1: the lines naming the conversation (client, router, proxy, events).
-    first = [f for f in files if f.fmt in ("events", "client_stats", "proxy") and not engine.is_json_document(f.path)]
+    first = [f for f in files if f.fmt in ("events", "client_stats", "proxy") and not is_json_document(f.path)]
     kept = _parallel(first, first_lines)
     events, client, proxy = _parse_first(first, kept)
-    documents = [f for f in files if f.fmt == "client_stats" and engine.is_json_document(f.path)]
+    documents = [f for f in files if f.fmt == "client_stats" and is_json_document(f.path)]
     client += [s for f in documents for s in _document_stats(f)]
     rids = _request_ids(events, client, proxy, conversation_id)
     if not rids and not any(c.conversation_id == conversation_id for c in client):
@@ -344,6 +379,9 @@ def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: 
     more = _parallel(second_files, second_lines)
     for path, lines in more.items():
         kept[path] = sorted({**dict(kept.get(path, [])), **dict(lines)}.items())
+    from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
+    from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
+
     with engine.opened(files, only=conversation_id) as run:
         with _reading():
             for f, lf in enumerate(files):

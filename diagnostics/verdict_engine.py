@@ -35,7 +35,7 @@ from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
-from kvdiag.diagnostics.scan import GREP, grep_ere, grep_ere_to_file, grep_regex
+from kvdiag.diagnostics.scan import GREP, grep_ere, grep_ere_to_file, grep_regex, is_json_document
 from kvdiag.schema.errors import KVDiagError
 
 # vLLM lines the rules can read, by their message's first letters (after the header's "] "); grep keeps them
@@ -351,12 +351,6 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                 if isinstance(got, str):
                     with contextlib.suppress(OSError):
                         os.unlink(got)
-
-
-def is_json_document(path: str) -> bool:
-    """True for a client-statistics file that is one JSON document (an array), not JSON lines."""
-    with open_binary(path) as fh:
-        return fh.read(4096).lstrip().startswith(b"[")
 
 
 def add_document(run: Run, f: int) -> None:

@@ -54,3 +54,11 @@ def test_one_conversation_does_not_import_pandas(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     turns, pandas_loaded = json.loads(out)
     assert turns >= 1 and pandas_loaded is False
+
+
+def test_the_explain_command_imports_the_engine_only_when_it_runs() -> None:
+    # (so one conversation imports duckdb and pyarrow on a second thread while its greps run)
+    code = ("import sys; import kvdiag.cli.cmd_explain; "
+            "print(sorted(m for m in ('duckdb', 'pyarrow', 'numpy', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.replace("'", '"')) == []
