@@ -153,7 +153,7 @@ SMALL_INSERT_ROWS: Final = 20_000
 
 def _decoded(f: int, numbered: list[tuple[int, bytes | str]], stats: LineStats, path: str, json: bool
              ) -> tuple[list[int], list[str], list[tuple[int, int, str]]]:
-    """engine_parse.lines_arrow's lines as Python lists (the same decoding, counts and notes)."""
+    """The lines as Python lists, decoded, counted and noted as the Arrow path (lines_arrow) does it."""
     ns: list[int] = []
     texts: list[str] = []
     notes: list[tuple[int, int, str]] = []
