@@ -85,7 +85,10 @@ def derive_sql(source: str) -> str:
                                                                                 strict=False))
     reasons = " ".join(f"WHEN contains(reason, '{n}') THEN '{n}'" for n in MISSING_METADATA_REASONS)
     end = "coalesce(end_ts, start_ts + latency_ms / 1000.0)"
-    since = f"start_ts - lag({end}) OVER (PARTITION BY conversation_id ORDER BY turn, pos)"
+    # the time since the previous turn's end, computed once in a subquery (named twice in gap_s, the window took
+    # twice the wall time)
+    since = "since_prev"
+    window = f"start_ts - lag({end}) OVER (PARTITION BY conversation_id ORDER BY turn, pos) AS since_prev"
     cols = {
         "turn_bucket": "CASE WHEN turn <= 1 THEN '1' WHEN turn = 2 THEN '2' WHEN turn = 3 THEN '3' WHEN turn <= 7 "
                        "THEN '4-7' ELSE '8+' END",
@@ -98,7 +101,7 @@ def derive_sql(source: str) -> str:
         "reason": "coalesce(reason, '')",
     }
     select = ", ".join(f"{cols[c]} AS {c}" if c in cols else c for c in TABLE_COLUMNS)
-    return f"SELECT {select} FROM {source} ORDER BY conversation_id, turn, pos"
+    return f"SELECT {select} FROM (SELECT *, {window} FROM {source}) ORDER BY conversation_id, turn, pos"
 
 
 def _derive(con: duckdb.DuckDBPyConnection, source: str) -> pd.DataFrame:
