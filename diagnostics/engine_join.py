@@ -89,7 +89,7 @@ def join_sql(only: str | None) -> list[str]:
              WHERE pass = 2) t JOIN lone l ON l.conv = t.cconv AND l.turn = t.turn WHERE t.k = 1""",
         # slots made by events: one per request id (its first event's conversation and turn), one per
         # conversation and number for events without a request id
-        """CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord, t.pass,
+        """CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord, t.pass, t.ts,
              CASE WHEN lt.rid IS NOT NULL THEN lt.rid ELSE t.request_id END AS rid, t.cconv, t.turn
            FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n""",
         """CREATE TEMP TABLE slot_src AS
@@ -253,13 +253,14 @@ def _stats_sql(only: str | None) -> list[str]:
             FROM cs_num WHERE {only_sql} GROUP BY conversation_id""",
         # the turns already made, in the order correlate's _request_order gives (turn, then the proxy's order
         # or the events' time); only conversations with statistics (the only ones placed)
-        """CREATE TEMP TABLE placed_src AS SELECT s.*, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
+        """CREATE TEMP TABLE placed_src AS
+           WITH s AS (SELECT * FROM slot_src WHERE conv IN (SELECT conversation_id FROM cs))
+           SELECT s.*, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
              coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k
-           FROM slot_src s LEFT JOIN (SELECT rid, min(seq) AS seq FROM px_req WHERE conv IS NOT NULL GROUP BY rid) p
-             ON p.rid = s.rid
-           LEFT JOIN (SELECT k.rid, min(t.ts) AS ts FROM ev_slot_key k JOIN tev t USING (f, n) GROUP BY k.rid) t
-             ON t.rid = s.rid
-           WHERE s.conv IN (SELECT conversation_id FROM cs)""",
+           FROM s LEFT JOIN (SELECT rid, min(seq) AS seq FROM px_req WHERE conv IS NOT NULL
+                             AND rid IN (SELECT rid FROM s) GROUP BY rid) p ON p.rid = s.rid
+           LEFT JOIN (SELECT rid, min(ts) AS ts FROM ev_slot_key WHERE rid IN (SELECT rid FROM s) GROUP BY rid) t
+             ON t.rid = s.rid""",
         """CREATE TEMP TABLE cs_pick AS
            SELECT c.f, c.n, c.sub, c.conversation_id, c.k,
              CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) THEN c.request_id END
