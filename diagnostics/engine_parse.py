@@ -20,7 +20,7 @@ itself, which yields the record or the corrupt-line note explain prints.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Final
 
 import duckdb
@@ -482,41 +482,37 @@ STD_HEADER_RE: Final = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARN
 HEADER_GROUPS: Final = "['proc', 'pid', 'prefix', 'lvl', 'ts', 'file', 'line', 'msg']"
 
 
-def parse_vllm_sql() -> list[str]:
+VLLM_WORD: Final = "split_part(split_part(msg, ' ', 1), '(', 1)"  # a message's first word, as classify reads it
+# Below this many vLLM lines (one conversation's) a pattern's compile costs more than running it: the
+# Unicode-aware patterns alone, no ASCII branch.
+ASCII_BRANCH_MIN_LINES: Final = 5000
+
+
+def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True) -> list[str]:
     """Statements: ``vl`` from lines_vllm: the header, the message's kind and the fields the rules read.
 
     Each line is read alone (a traceback or a CR-continued line is not folded into the record before it,
-    as vllm_log's parser folds them): a record is its first line."""
-    classes = [c for c in _classifiers() if c[1] in _VLLM_FIELDS or c[1] == "aborted"]
-    word = "split_part(split_part(msg, ' ', 1), '(', 1)"
-    whens = []
-    for i, _kind, regex, first in classes:
-        cond = _rx("regexp_matches", "msg", regex, ascii_flag="a")
-        whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
-                     else f"WHEN {cond} THEN {i}")
-    fields = []
-    for col, ctype in _VLLM_COLUMNS.items():
-        picks = []
-        for i, kind, regex, _first in classes:
-            expr = _field(i, kind, regex, col)
-            if expr is not None:
-                picks.append(f"WHEN {i} THEN {expr.replace('x.', f'x{i}.')}")
-        fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
-                      else f"CAST(NULL AS {ctype}) AS {col}")
-    structs = ", ".join(
-        f"CASE WHEN k = {i} THEN "
-        f"{_rx('regexp_extract', 'msg', regex, _group_list(regex), ascii_flag='a')}"
-        f" END AS x{i}"
-        for i, _kind, regex, _first in classes if regex.groups)
-    kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
+    as vllm_log's parser folds them): a record is its first line. ``words``: the messages' first words
+    (VLLM_WORD over vl_head), when known: classifiers of other words cannot match and are left out."""
+    return [*vllm_head_sql(ascii_branch=ascii_branch), vllm_records_sql(words, ascii_branch=ascii_branch)]
+
+
+def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
+    """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts
+    and the message)."""
+    def rx(fn: str, col: str, regex: re.Pattern[str], *args: str) -> str:
+        if ascii_branch:
+            return _rx(fn, col, regex, *args)
+        return f"{fn}({col}, {sql_str(_re2(regex))}{''.join(f', {a}' for a in args)})"
+
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
     return [
         f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, std FROM (
-              SELECT f, n, t, {_rx('regexp_matches', 't', STD_HEADER_RE)} AS std FROM (
+              SELECT f, n, t, {rx('regexp_matches', 't', STD_HEADER_RE)} AS std FROM (
                 SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
                 FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
               WHERE length(t) < {MAX_LINE_CHARS})
-            WHERE std OR {_rx('regexp_matches', 't', vllm_log.HEADER_RE)}""",
+            WHERE std OR {rx('regexp_matches', 't', vllm_log.HEADER_RE)}""",
         # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position; any other
         # prefix (VLLM_LOGGING_PREFIX) through the full pattern
         f"""CREATE TEMP TABLE vl_head AS
@@ -532,11 +528,44 @@ def parse_vllm_sql() -> list[str]:
                    ELSE substr(al, strpos(al, ']') + 1) END AS msg
             FROM l
             UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
-            FROM (SELECT f, n, {_rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
+            FROM (SELECT f, n, {rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
                   FROM vl_clean WHERE NOT std)""",
-        f"""CREATE TEMP TABLE vl AS SELECT f, n,
-              NULL::VARCHAR AS text, level, ts, CASE k {kind_names} END AS kind, {', '.join(fields)}
-            FROM (SELECT *, {structs} FROM (SELECT *, {'CASE ' + ' '.join(whens) + ' END'} AS k
-                                            FROM (SELECT *, {word} AS w, {ASCII.format('msg')} AS a
-                                                  FROM vl_head)))""",
     ]
+
+
+def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True) -> str:
+    """The statement that makes ``vl`` from vl_head (see parse_vllm_sql)."""
+    flag = "a" if ascii_branch else "false"
+    classes = [c for c in _classifiers() if (c[1] in _VLLM_FIELDS or c[1] == "aborted")
+               and (words is None or c[3] is None or c[3] in words)]
+    whens = []
+    for i, _kind, regex, first in classes:
+        cond = _rx("regexp_matches", "msg", regex, ascii_flag=flag) if ascii_branch else \
+            f"regexp_matches(msg, {sql_str(_re2(regex))})"
+        whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
+                     else f"WHEN {cond} THEN {i}")
+    fields = []
+    for col, ctype in _VLLM_COLUMNS.items():
+        picks = []
+        for i, kind, regex, _first in classes:
+            expr = _field(i, kind, regex, col)
+            if expr is not None:
+                picks.append(f"WHEN {i} THEN {expr.replace('x.', f'x{i}.')}")
+        fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
+                      else f"CAST(NULL AS {ctype}) AS {col}")
+
+    def extract(regex: re.Pattern[str]) -> str:
+        if ascii_branch:
+            return _rx("regexp_extract", "msg", regex, _group_list(regex), ascii_flag=flag)
+        return f"regexp_extract(msg, {sql_str(_re2(regex))}, {_group_list(regex)})"
+
+    structs = "".join(f", CASE WHEN k = {i} THEN {extract(regex)} END AS x{i}"
+                      for i, _kind, regex, _first in classes if regex.groups)
+    kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
+    kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
+    kind_name = f"CASE k {kind_names} END" if kind_names else "NULL::VARCHAR"
+    ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch else ""
+    return f"""CREATE TEMP TABLE vl AS SELECT f, n,
+              NULL::VARCHAR AS text, level, ts, {kind_name} AS kind, {', '.join(fields)}
+            FROM (SELECT *{structs} FROM (SELECT *, {kind} AS k
+                                          FROM (SELECT *, {VLLM_WORD} AS w{ascii_col} FROM vl_head)))"""

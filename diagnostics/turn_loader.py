@@ -372,8 +372,9 @@ def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: P
         # events name the request as "request_id":"<id>" and/or an engine id "chatcmpl-<id>-<8>"
         return list(grep_prefixed(f.path, (b'"', b"cmpl-"), rid_needles, tick))
 
-    second_files = [f for f in files if f.fmt == "vllm" or (f.fmt in ("proxy", "events")
-                                                           and _needs_second_pass(f, events, rids))]
+    # every file that can name a request id: the proxy's "[rid] Prefill done" lines carry a turn's prefill time
+    # and failures, router events without a conversation and engine events join by the id
+    second_files = [f for f in files if f.fmt in ("vllm", "proxy", "events")]
     # Engine logs are read even when no request id was found: their startup lines still say which
     # roles are present and how they are configured.
     more = _parallel(second_files, second_lines)
@@ -437,27 +438,6 @@ def _document_stats(f: LogFile) -> list[ClientStat]:
             return list(parse_json_document(fh.read(), f.path))
     except (OSError, EOFError) as exc:
         raise UnreadableLogError(f"cannot read {f.path}: {exc}") from None
-
-
-def _needs_second_pass(f: LogFile, events: list[EventRecord], rids: set[str]) -> bool:
-    """Skip re-reading a file whose lines for this conversation pass 1 already has.
-
-    Client events all carry the conversation; router events too, unless a turn went without a
-    conversation_id (then its router event is only reachable through the request id); the proxy's
-    request-only lines ("Prefill done") add nothing when router events cover every request.
-    """
-    sources = {e.event.source for e in events if e.path == f.path}
-    # only router events that decide their turn (stock rules, which need every proxy line, never run for them)
-    router_rids = {e.event.request_id for e in events if e.event.source == "router" and e.event.request_id
-                   and e.event.outcome not in (None, Verdict.UNKNOWN.value)}
-    covered = bool(router_rids) and rids <= router_rids
-    if f.fmt == "events":
-        if sources == {"client"}:
-            return False
-        if sources == {"router"}:
-            return not covered
-        return True
-    return not covered  # proxy
 
 
 def _request_ids(events: list[EventRecord], client: list[ClientStat], proxy: list[Any], conversation_id: str

@@ -3,15 +3,18 @@ engine, on every log fixture (real vLLM 0.33 runs included) and on a run of the 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 import kvdiag
+from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import build_turn_table
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "logs"
 RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
 KEY = ["conversation_id", "turn"]
 COMPARED = ["conversation_id", "turn", "verdict", "confidence", "reason", "prompt_tokens", "remote_tokens",
@@ -34,12 +37,31 @@ def test_explain_all_report_and_explain_one_agree(run: Path) -> None:
     records = kvdiag.load_turns(files)                          # explain --all
     assert len(table) > 0 and len(table) == sum(len(c.turns) for c in records)
     assert _rows(table) == _rows(build_turn_table(records))
-    for conv in records:                                        # explain --conversation-id, prefiltered lines
-        one = kvdiag.explain_conversation(files, conv.conversation_id)
-        assert [(t.turn, t.verdict, t.confidence, t.reason) for t in one.turns] == [
-            (t.turn, t.verdict, t.confidence, t.reason) for t in conv.turns], conv.conversation_id
+    _one_by_one_equals(files, records)
     advice = kvdiag.advise(table)
     assert advice.checks, "advise reads the same table"
+
+
+def _one_by_one_equals(files: list[str], records: list[ConversationRecord]) -> None:
+    """explain --conversation-id (prefiltered lines) gives each conversation's records as explain --all does:
+    every field of every turn, numbers and evidence included."""
+    for conv in records:
+        one = kvdiag.explain_conversation(files, conv.conversation_id)
+        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns], conv.conversation_id
+
+
+def test_one_conversation_reads_the_lines_only_its_request_ids_name(tmp_path: Path) -> None:
+    # benchmarks/gen_logs.py's shape: router events state no prefill time, the proxy's "[rid] Prefill done in
+    # N ms" line (no conversation on it) does; one conversation's lines must include it
+    spec = importlib.util.spec_from_file_location("gen_logs", ROOT / "benchmarks" / "gen_logs.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    gen.generate(tmp_path, 200_000, seed=3, noise_per_turn=1)
+    files = _files(tmp_path)
+    records = kvdiag.load_turns(files)
+    assert any(t.prefill_ms is not None for c in records for t in c.turns)
+    _one_by_one_equals(files, records)
 
 
 def test_the_comparison_sees_a_changed_verdict() -> None:
