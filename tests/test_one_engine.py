@@ -11,7 +11,7 @@ import pytest
 
 import kvdiag
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.report import build_turn_table
+from kvdiag.diagnostics.report import build_turn_table, normalize_table
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "logs"
@@ -37,6 +37,8 @@ def test_explain_all_report_and_explain_one_agree(run: Path) -> None:
     records = kvdiag.load_turns(files)                          # explain --all
     assert len(table) > 0 and len(table) == sum(len(c.turns) for c in records)
     assert _rows(table) == _rows(build_turn_table(records))
+    # every column, in the same order (both come out sorted by conversation, turn and place)
+    pd.testing.assert_frame_equal(normalize_table(table), build_turn_table(records), check_exact=True)
     _one_by_one_equals(files, records)
     advice = kvdiag.advise(table)
     assert advice.checks, "advise reads the same table"
@@ -62,6 +64,8 @@ def test_one_conversation_reads_the_lines_only_its_request_ids_name(tmp_path: Pa
     records = kvdiag.load_turns(files)
     assert any(t.prefill_ms is not None for c in records for t in c.turns)
     _one_by_one_equals(files, records)
+    pd.testing.assert_frame_equal(normalize_table(kvdiag.load_turn_table(files)), build_turn_table(records),
+                                  check_exact=True)
 
 
 def test_the_comparison_sees_a_changed_verdict() -> None:
