@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import duckdb
-import pyarrow as pa
 
 from kvdiag.diagnostics import proxy_log_parser as proxy_log
 from kvdiag.diagnostics import vllm_log_parser as vllm_log
@@ -44,7 +43,9 @@ from kvdiag.schema.events import (
 )
 from kvdiag.schema.verdicts import TrimReason, Verdict
 
-LINE_SCHEMA: Final = pa.schema([("f", pa.int32()), ("n", pa.int64()), ("line", pa.string())])
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = '\\x01', quote = '', escape = '', "
                     f"strict_mode = false, auto_detect = false, max_line_size = {4 * MAX_LINE_CHARS}")
 _WS: Final = "' \t\r\n\x0b\x0c'"  # what Python's str.strip() removes from a JSON line (ASCII)
@@ -90,8 +91,11 @@ def lines_arrow(f: int, numbered: Iterable[tuple[int, bytes | str]], stats: Line
                 continue
         ns.append(lineno)
         texts.append(text.rstrip("\n"))
+    import pyarrow as pa  # noqa: PLC0415  (not at import: one conversation's few lines never need it)
+
+    schema = pa.schema([("f", pa.int32()), ("n", pa.int64()), ("line", pa.string())])
     table = pa.table({"f": pa.array([f] * len(ns), pa.int32()), "n": pa.array(ns, pa.int64()),
-                      "line": pa.array(texts, pa.string())}, schema=LINE_SCHEMA)
+                      "line": pa.array(texts, pa.string())}, schema=schema)
     return table, notes
 
 

@@ -22,11 +22,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import duckdb
-import numpy as np
-import pyarrow as pa
 
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
@@ -37,6 +35,9 @@ from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
 from kvdiag.diagnostics.scan import GREP, grep_ere, grep_ere_to_file, grep_regex, is_json_document
 from kvdiag.schema.errors import KVDiagError
+
+if TYPE_CHECKING:  # numpy and pyarrow are imported where used: one conversation never needs them
+    import pyarrow as pa
 
 # vLLM lines the rules can read, by their message's first letters (after the header's "] "); grep keeps them
 # at C speed and numbers them as the engine does (by "\n").
@@ -540,6 +541,9 @@ RECORD_COLUMNS: Final = (
 def decided_rows(run: Run, *, evidence: bool = True) -> pa.Table:
     """The decided turns, in conversation order (the columns TurnRecord and the turn table read); with
     ``evidence``, each turn's evidence as a list of {source, text}."""
+    import numpy as np  # noqa: PLC0415
+    import pyarrow as pa  # noqa: PLC0415
+
     rows = run.con.sql(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").to_arrow_table()
     if not evidence:
         return rows
