@@ -47,7 +47,10 @@ def _load(con: duckdb.DuckDBPyConnection, table: str, f: int, path: Path) -> lis
     return numbered
 
 
-def _engine(files: list[Path]) -> tuple[duckdb.DuckDBPyConnection, dict[int, list[tuple[int, bytes]]]]:
+def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
+            ) -> tuple[duckdb.DuckDBPyConnection, dict[int, list[tuple[int, bytes]]]]:
+    """The engine's parse of ``files``; ``ascii_branch``/``words`` as the engine picks them for many lines
+    (the default) or for few (False / the first words present)."""
     con = duckdb.connect()
     ep.create_line_tables(con)
     loaded = {}
@@ -55,8 +58,10 @@ def _engine(files: list[Path]) -> tuple[duckdb.DuckDBPyConnection, dict[int, lis
         table = ("lines_proxy" if "proxy" in path.name else "lines_json" if path.suffix in (".json", ".jsonl")
                  else "lines_vllm")
         loaded[f] = _load(con, table, f, path)
-    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.parse_vllm_sql()):
+    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=ascii_branch)):
         con.execute(q)
+    present = [w for (w,) in con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
+    con.execute(ep.vllm_records_sql(present if words else None, ascii_branch=ascii_branch))
     ep.read_odd_json(con, {f: str(p) for f, p in enumerate(files)}, LineStats())
     return con, loaded
 
@@ -146,12 +151,13 @@ def test_vllm_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, st
               f"[base.py:1] " + t.format(r=r)) for t, r, colour in rows]
     path = tmp_path / "prefill.log"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    con, loaded = _engine([path])
-    got = {n: (kind, rid, list(rids or [])) for n, kind, rid, rids in
-           con.execute("SELECT n, kind, request_id, request_ids FROM vl").fetchall()}
-    for rec in parse_vllm_numbered(loaded[0], str(path)):
-        assert got[rec.lineno] == (rec.kind, rec.fields.get("request_id"), list(rec.fields.get("request_ids", []))), \
-            (rec.msg, got[rec.lineno])
+    for ascii_branch, words in ((True, False), (False, True)):  # many lines' statements, and few lines'
+        con, loaded = _engine([path], ascii_branch=ascii_branch, words=words)
+        got = {n: (kind, rid, list(rids or [])) for n, kind, rid, rids in
+               con.execute("SELECT n, kind, request_id, request_ids FROM vl").fetchall()}
+        for rec in parse_vllm_numbered(loaded[0], str(path)):
+            want = (rec.kind, rec.fields.get("request_id"), list(rec.fields.get("request_ids", [])))
+            assert got[rec.lineno] == want, (ascii_branch, rec.msg, got[rec.lineno])
 
 
 _PROXY_TEXT = st.text(st.sampled_from("ab9_-.:()=x/é [s"), min_size=0, max_size=10)
