@@ -6,12 +6,12 @@ the Python parser finds is in the engine's table with the same kind, request ids
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import duckdb
 import pytest
+from gen_logs_support import load_gen_logs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,11 +28,7 @@ WINDOW_KINDS = frozenset({"transfer_plan", "engine_config", "engine_stats", "kv_
 
 
 def _gen_logs(out: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("gen_logs", ROOT / "benchmarks" / "gen_logs.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.generate(out, 200_000, seed=4, noise_per_turn=1)
+    load_gen_logs().generate(out, 200_000, seed=4, noise_per_turn=1)
     return out
 
 

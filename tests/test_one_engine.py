@@ -3,18 +3,17 @@ engine, on every log fixture (real vLLM 0.33 runs included) and on a run of the 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from gen_logs_support import load_gen_logs
 
 import kvdiag
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import build_turn_table, normalize_table
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures" / "logs"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
 RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
 KEY = ["conversation_id", "turn"]
 COMPARED = ["conversation_id", "turn", "verdict", "confidence", "reason", "prompt_tokens", "remote_tokens",
@@ -55,11 +54,7 @@ def _one_by_one_equals(files: list[str], records: list[ConversationRecord]) -> N
 def test_one_conversation_reads_the_lines_only_its_request_ids_name(tmp_path: Path) -> None:
     # benchmarks/gen_logs.py's shape: router events state no prefill time, the proxy's "[rid] Prefill done in
     # N ms" line (no conversation on it) does; one conversation's lines must include it
-    spec = importlib.util.spec_from_file_location("gen_logs", ROOT / "benchmarks" / "gen_logs.py")
-    assert spec is not None and spec.loader is not None
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    gen.generate(tmp_path, 200_000, seed=3, noise_per_turn=1)
+    load_gen_logs().generate(tmp_path, 200_000, seed=3, noise_per_turn=1)
     files = _files(tmp_path)
     records = kvdiag.load_turns(files)
     assert any(t.prefill_ms is not None for c in records for t in c.turns)

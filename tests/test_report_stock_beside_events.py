@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import duckdb
 import pandas as pd
 import pytest
+from gen_logs_support import load_gen_logs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,18 +27,9 @@ from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normali
 from kvdiag.diagnostics.turn_loader import load_turns
 
 KEY = ["conversation_id", "turn"]
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _gen_logs() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_logs", ROOT / "benchmarks" / "gen_logs.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _gen_logs()
+GEN = load_gen_logs()
 
 
 def _generate(out: Path, seed: int = 0, size: int = 250_000) -> Path:
