@@ -279,15 +279,17 @@ def _re2(pattern: re.Pattern[str]) -> str:
 ASCII: Final = "strlen({0}) = length({0})"  # bytes = characters: the text is ASCII
 
 
-def _rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str | None = None) -> str:
+def _rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str | None = None,
+        ascii_branch: bool = True) -> str:
     """``fn(col, pattern, args...)`` for a Python pattern, read by RE2 as Python reads it. An ASCII text takes
     the pattern as written (on ASCII, RE2's ``\\w``, ``\\d`` and ``\\b`` are Python's, and several times
     faster than the Unicode classes); any other text its Unicode-aware form (``_re2``). ``ascii_flag``: a
-    column that already says whether ``col`` is ASCII."""
+    column that already says whether ``col`` is ASCII; without ``ascii_branch`` every text takes the
+    Unicode-aware form (one pattern to compile instead of two)."""
     rest = "".join(f", {a}" for a in args)
     uni = f"{fn}({col}, {sql_str(_re2(regex))}{rest})"
     ascii_pattern = ("(?s)" if regex.flags & re.DOTALL else "") + regex.pattern
-    if ascii_pattern == _re2(regex):
+    if not ascii_branch or ascii_pattern == _re2(regex):
         return uni
     flag = ascii_flag or ASCII.format(col)
     return f"CASE WHEN {flag} THEN {fn}({col}, {sql_str(ascii_pattern)}{rest}) ELSE {uni} END"
@@ -324,6 +326,8 @@ _PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
              "why": "CASE WHEN starts_with(mw, ' (') AND strpos(substr(mw, 3), ')') > 0 THEN nullif(split_part("
                     "substr(mw, 3), ')', 1), '') END".replace("mw", _AFTER_MISS)},
 }
+# PROXY_RE up to its message, for the line check: a line holds no newline, so "(?P<msg>.*)$" matches whatever
+# follows (and RE2 stops at the prefix instead of scanning to the end)
 _PROXY_MSG: Final = "(?P<msg>.*)$"
 if not PROXY_RE.pattern.endswith(_PROXY_MSG):
     raise ValueError("PROXY_RE must end with its message group (the head check cuts it off)")
@@ -357,9 +361,6 @@ def parse_proxy_sql() -> list[str]:
             whens.append(f"WHEN {i} THEN {value}")
         fields.append(f"CASE k {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
-    # PROXY_RE up to its message: a line holds no newline, so "(?P<msg>.*)$" matches whatever follows (and
-    # RE2 stops at the prefix instead of scanning to the end)
-
     # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message
     rest = "substr(t, strpos(t, '] ') + 2)"
     return [
@@ -505,9 +506,7 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
     """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts
     and the message)."""
     def rx(fn: str, col: str, regex: re.Pattern[str], *args: str) -> str:
-        if ascii_branch:
-            return _rx(fn, col, regex, *args)
-        return f"{fn}({col}, {sql_str(_re2(regex))}{''.join(f', {a}' for a in args)})"
+        return _rx(fn, col, regex, *args, ascii_branch=ascii_branch)
 
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
     return [
@@ -539,13 +538,15 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
 
 def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True) -> str:
     """The statement that makes ``vl`` from vl_head (see parse_vllm_sql)."""
-    flag = "a" if ascii_branch else "false"
     classes = [c for c in _classifiers() if (c[1] in _VLLM_FIELDS or c[1] == "aborted")
                and (words is None or c[3] is None or c[3] in words)]
+
+    def rx(fn: str, regex: re.Pattern[str], *args: str) -> str:
+        return _rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch)
+
     whens = []
     for i, _kind, regex, first in classes:
-        cond = _rx("regexp_matches", "msg", regex, ascii_flag=flag) if ascii_branch else \
-            f"regexp_matches(msg, {sql_str(_re2(regex))})"
+        cond = rx("regexp_matches", regex)
         whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
                      else f"WHEN {cond} THEN {i}")
     fields = []
@@ -557,13 +558,7 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
                 picks.append(f"WHEN {i} THEN {expr.replace('x.', f'x{i}.')}")
         fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
                       else f"CAST(NULL AS {ctype}) AS {col}")
-
-    def extract(regex: re.Pattern[str]) -> str:
-        if ascii_branch:
-            return _rx("regexp_extract", "msg", regex, _group_list(regex), ascii_flag=flag)
-        return f"regexp_extract(msg, {sql_str(_re2(regex))}, {_group_list(regex)})"
-
-    structs = "".join(f", CASE WHEN k = {i} THEN {extract(regex)} END AS x{i}"
+    structs = "".join(f", CASE WHEN k = {i} THEN {rx('regexp_extract', regex, _group_list(regex))} END AS x{i}"
                       for i, _kind, regex, _first in classes if regex.groups)
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
