@@ -49,15 +49,6 @@ if TYPE_CHECKING:
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
-
-
-def __getattr__(name: str) -> Any:
-    if name == "VLLM_KEYWORDS":  # the message starts the engine's vLLM prefilter keeps, as bytes
-        from kvdiag.diagnostics import verdict_engine  # noqa: PLC0415
-
-        return tuple(s.encode() for s in verdict_engine.VLLM_MESSAGE_STARTS)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 HEAD_KEYWORDS: Final = (b"Bidirectional KV transfer is enabled", b"remote block size")
 HEAD_BYTES: Final = 4 * 1024 * 1024  # engine settings are logged at startup
 SOURCES: Final = ("client", "router", "prefill", "decode")

@@ -221,7 +221,7 @@ def vllm_lines(path: str, progress: Callable[[int], None] | None = None) -> Iter
     if GREP is not None and not path.endswith(".gz"):
         yield from grep_ere(path, VLLM_PREFILTER, progress)
         return
-    yield from grep_regex(path, re.compile(VLLM_PREFILTER.encode()), progress)
+    yield from grep_regex(path, _PREFILTER_BYTES, progress)
 
 
 def _grep_vllm(path: str, progress: Callable[[int], None] | None, also: Sequence[str] = ()

@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.verdict_engine import VLLM_MESSAGE_STARTS
 from kvdiag.diagnostics.vllm_log_parser import classify_message, parse_vllm_log
 from kvdiag.schema.request_ids import external_id, header_request_id
 
 FIXTURE = Path(__file__).parent / "fixtures" / "logs" / "vllm_real_lines.log"
+VLLM_KEYWORDS = tuple(s.encode() for s in VLLM_MESSAGE_STARTS)  # the message starts the engine's prefilter keeps
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +125,6 @@ def test_request_id_forms(internal: str, ext: str, rid: str) -> None:
 
 
 def test_every_classified_line_passes_the_all_prefilter() -> None:
-    from kvdiag.diagnostics.turn_loader import VLLM_KEYWORDS
-
     raw = FIXTURE.read_bytes().splitlines()
     with FIXTURE.open("rb") as fh:
         kinds = {r.lineno: r.kind for r in parse_vllm_log(fh, str(FIXTURE)) if r.kind and r.kind != "kv_metrics"}
@@ -136,8 +136,6 @@ def test_every_classified_line_passes_the_all_prefilter() -> None:
 def test_api_server_internal_error_line() -> None:
     # vLLM 0.33's API server when a request finished with an error (it answers HTTP 500), e.g. P's
     # request failed on a KV load failure: entrypoints/generate/base/serving.py
-    from kvdiag.diagnostics.turn_loader import VLLM_KEYWORDS
-
     line = (b"(APIServer pid=31790) ERROR 11-29 10:01:12 [serving.py:203] Request "
             b"chatcmpl-4f1da133-0009-4009-a009-1e2f3a4bb5e6 failed with an internal error during generation\n")
     rec = next(parse_vllm_log([line], "prefill.log"))
