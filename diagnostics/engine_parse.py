@@ -73,24 +73,32 @@ def read_lines_sql(table: str, f: int, path: str) -> str:
             f"FROM read_csv({sql_str(path)}, {CSV_LINES})")
 
 
-def lines_arrow(f: int, numbered: Iterable[tuple[int, bytes | str]], stats: LineStats, path: str,
-                *, json: bool = False) -> tuple[pa.Table, list[tuple[int, int, str]]]:
-    """Lines read by Python as a lines table, and the notes for lines that are not valid UTF-8 (or
+def decoded_lines(f: int, numbered: Iterable[tuple[int, bytes | str]], stats: LineStats, path: str,
+                  *, json: bool = False) -> tuple[list[int], list[str], list[tuple[int, int, str]]]:
+    """Lines read by Python as (line numbers, texts), and the notes for lines that are not valid UTF-8 (or
     are oversized): those are kept, decoded with replacement characters, as the parsers keep them;
     a JSON line among them is corrupt (``json`` drops it)."""
     ns: list[int] = []
     texts: list[str] = []
     notes: list[tuple[int, int, str]] = []
+    why = "not a JSON object" if json else "invalid UTF-8 or oversized line"
     for lineno, raw in numbered:
         text, ok = decode_line(raw)
         if not ok:
             stats.corrupt += 1
-            stats.note(path, lineno, "not a JSON object" if json else "invalid UTF-8 or oversized line")
-            notes.append((f, lineno, "not a JSON object" if json else "invalid UTF-8 or oversized line"))
+            stats.note(path, lineno, why)
+            notes.append((f, lineno, why))
             if json:
                 continue
         ns.append(lineno)
         texts.append(text.rstrip("\n"))
+    return ns, texts, notes
+
+
+def lines_arrow(f: int, numbered: Iterable[tuple[int, bytes | str]], stats: LineStats, path: str,
+                *, json: bool = False) -> tuple[pa.Table, list[tuple[int, int, str]]]:
+    """decoded_lines as a lines table (f, n, line), and the notes."""
+    ns, texts, notes = decoded_lines(f, numbered, stats, path, json=json)
     import pyarrow as pa  # noqa: PLC0415  (not at import: one conversation's few lines never need it)
 
     schema = pa.schema([("f", pa.int32()), ("n", pa.int64()), ("line", pa.string())])

@@ -31,7 +31,7 @@ from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_facts import evidence_sql, facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
-from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
+from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
 from kvdiag.diagnostics.scan import GREP, grep_ere, grep_ere_to_file, grep_regex, is_json_document
 from kvdiag.schema.errors import KVDiagError
@@ -136,7 +136,7 @@ def add_lines(run: Run, f: int, numbered: Iterable[tuple[int, bytes | str]]) -> 
     lf = run.files[f]
     json = lf.fmt in _JSON_FORMATS
     if isinstance(numbered, list) and len(numbered) <= SMALL_INSERT_ROWS:
-        ns, texts, notes = _decoded(f, numbered, run.stats, lf.path, json)
+        ns, texts, notes = ep.decoded_lines(f, numbered, run.stats, lf.path, json=json)
         if ns:
             run.con.execute(f"INSERT INTO {_TABLES[lf.fmt]} SELECT {f}, unnest($n), unnest($line)",
                             {"n": ns, "line": texts})
@@ -150,26 +150,6 @@ def add_lines(run: Run, f: int, numbered: Iterable[tuple[int, bytes | str]]) -> 
 # Up to this many lines (one conversation's) go in as list parameters: building Arrow arrays from Python
 # lists makes pyarrow import pandas (0.25 s, several times what inserting them costs).
 SMALL_INSERT_ROWS: Final = 20_000
-
-
-def _decoded(f: int, numbered: list[tuple[int, bytes | str]], stats: LineStats, path: str, json: bool
-             ) -> tuple[list[int], list[str], list[tuple[int, int, str]]]:
-    """The lines as Python lists, decoded, counted and noted as the Arrow path (lines_arrow) does it."""
-    ns: list[int] = []
-    texts: list[str] = []
-    notes: list[tuple[int, int, str]] = []
-    why = "not a JSON object" if json else "invalid UTF-8 or oversized line"
-    for lineno, raw in numbered:
-        text, ok = decode_line(raw)
-        if not ok:
-            stats.corrupt += 1
-            stats.note(path, lineno, why)
-            notes.append((f, lineno, why))
-            if json:
-                continue
-        ns.append(lineno)
-        texts.append(text.rstrip("\n"))
-    return ns, texts, notes
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:

@@ -3,6 +3,7 @@ pandas: 0.25 s, more than the engine takes on a few dozen lines); the records ar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,25 +11,33 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics import turn_loader
 from kvdiag.diagnostics import verdict_engine as engine
 from kvdiag.diagnostics.detect import detect
-from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
+from kvdiag.diagnostics.linestats import MAX_LINE_CHARS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 
 
 @pytest.mark.parametrize("json_lines", [False, True])
-def test_small_inserts_decode_as_lines_arrow(json_lines: bool) -> None:
+def test_small_inserts_equal_the_arrow_inserts(tmp_path: Path, json_lines: bool) -> None:
+    # a list of lines goes in as list parameters, any other iterable through an Arrow table: the same rows,
+    # counts and notes either way
     numbered: list[tuple[int, bytes | str]] = [
         (1, b'{"a": 1}\n'), (2, b"caf\xc3\xa9 ok\n"), (3, b"bad \xff byte\n"), (4, b"x" * (MAX_LINE_CHARS + 5)),
         (5, "already text\n"), (9, b"")]
-    s1, s2 = LineStats(), LineStats()
-    table, notes = ep.lines_arrow(7, numbered, s1, "p.log", json=json_lines)
-    ns, texts, notes2 = engine._decoded(7, numbered, s2, "p.log", json_lines)
-    assert (table.column("n").to_pylist(), table.column("line").to_pylist(), notes) == (ns, texts, notes2)
-    assert s1 == s2 and s1.corrupt == 2
+    path = tmp_path / ("c.jsonl" if json_lines else "p.log")
+    path.write_text("", encoding="utf-8")
+    got = []
+    for lines in (numbered, iter(numbered)):
+        files = [dataclasses.replace(detect([str(path)])[0], fmt="events" if json_lines else "vllm")]
+        with engine.opened(files) as run:
+            engine.add_lines(run, 0, lines)
+            table = "lines_json" if json_lines else "lines_vllm"
+            got.append((run.con.execute(f"SELECT f, n, line FROM {table} ORDER BY n").fetchall(),
+                        run.con.execute("SELECT * FROM notes ORDER BY n").fetchall(), run.stats.corrupt))
+    assert got[0] == got[1]
+    assert got[0][2] == 2 and len(got[0][0]) == (4 if json_lines else 6)
 
 
 def test_records_from_lists_equal_records_from_arrow(monkeypatch: pytest.MonkeyPatch) -> None:
