@@ -33,7 +33,6 @@ _TTL_FIELD: Final = re.compile(rb'"ttl_s"')
 # the substrings a configuration line contains (STARTUP_RE, HOLD_RE, FAIL_POLICY_RE and recovery, STALE_RE, hang)
 MARKERS: Final = ("Bidirectional KV transfer is enabled", "before releasing blocks", "KV load failure",
                   "stale cache entry", "WAITING_FOR_REMOTE_KVS")
-_MARKERS: Final = MARKERS
 
 
 @dataclass
@@ -114,18 +113,18 @@ Effect = tuple[Any, ...]  # what one line says: ("startup", threshold, ttl), ("h
 
 def _effect(line: str, role: Role) -> Effect | None:
     """What a marker line says about the configuration (each regex only where its marker is in the line)."""
-    if _MARKERS[0] in line and (m := STARTUP_RE.search(line)):
+    if MARKERS[0] in line and (m := STARTUP_RE.search(line)):
         return ("startup", int(m.group(1)), float(m.group(2)) if m.group(2) else None)
-    if role == "decode" and _MARKERS[1] in line and (m := HOLD_RE.search(line)):
+    if role == "decode" and MARKERS[1] in line and (m := HOLD_RE.search(line)):
         return ("hold", float(m.group(2)))
-    if _MARKERS[2] in line:
+    if MARKERS[2] in line:
         if m := FAIL_POLICY_RE.search(line):
             return ("policy", m.group(1))
         if "Recovered from KV load failure" in line:
             return ("policy", "recompute")
-    if _MARKERS[4] in line:
+    if MARKERS[4] in line:
         return ("hang",)
-    if _MARKERS[3] in line and (m := STALE_RE.search(line)):
+    if MARKERS[3] in line and (m := STALE_RE.search(line)):
         return ("stale", float(m.group(1)))
     return None
 
@@ -232,7 +231,7 @@ def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
             key = _identity(f.path) if f.fmt == "vllm" else None
             effects = _ENGINE_EFFECTS.pop(key, None) if key is not None else None
             if effects is None:
-                effects = line_effects(_lines(path, _MARKERS), role)
+                effects = line_effects(_lines(path, MARKERS), role)
             for lineno, e in effects:
                 _apply(cfg, e, role, f"{path}:{lineno}")
     return cfg
