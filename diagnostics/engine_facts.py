@@ -29,6 +29,9 @@ REF: Final = "((f::BIGINT << 40) + n)"
 # a statistic's place (file, line, record in the line) as one number: arg_max over a struct key costs
 # several times more
 CS_ORDER: Final = "((cs.f::HUGEINT << 96) + (cs.n::HUGEINT << 48) + cs.sub)"
+# the client statistics' numbers a turn takes (from its last statistic), as s_<name>
+_STAT_NUMBERS: Final = ("ttft_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
+                        "output_num_tokens")
 
 
 def _first(expr: str, order: str, where: str) -> str:
@@ -157,17 +160,10 @@ def facts_sql() -> list[str]:
         f"""CREATE TEMP VIEW turn_facts AS
            SELECT s.sid, s.conv AS conversation_id, s.turn, s.rid AS request_id,
              e.* EXCLUDE (sid), d.* EXCLUDE (sid), p.* EXCLUDE (sid), v.* EXCLUDE (sid),
-             c.ttft_ms AS s_ttft_ms, c.latency_ms AS s_latency_ms, c.start_time_ms AS s_start_time_ms,
-             c.input_num_turns AS s_input_num_turns, c.input_num_tokens AS s_input_num_tokens,
-             c.output_num_tokens AS s_output_num_tokens, c.ref AS stat_ref, c.ref IS NOT NULL AS has_stat
+             {", ".join(f"c.{c} AS s_{c}" for c in _STAT_NUMBERS)}, c.ref AS stat_ref, c.ref IS NOT NULL AS has_stat
            FROM slots s LEFT JOIN ev_facts e USING (sid) LEFT JOIN decider d USING (sid)
            LEFT JOIN px_facts p USING (sid) LEFT JOIN vl_facts v USING (sid)
-           LEFT JOIN (SELECT cs_slot.sid, arg_max(cs.ttft_ms, {CS_ORDER}) AS ttft_ms,
-                        arg_max(cs.latency_ms, {CS_ORDER}) AS latency_ms,
-                        arg_max(cs.start_time_ms, {CS_ORDER}) AS start_time_ms,
-                        arg_max(cs.input_num_turns, {CS_ORDER}) AS input_num_turns,
-                        arg_max(cs.input_num_tokens, {CS_ORDER}) AS input_num_tokens,
-                        arg_max(cs.output_num_tokens, {CS_ORDER}) AS output_num_tokens,
+           LEFT JOIN (SELECT cs_slot.sid, {", ".join(f"arg_max(cs.{c}, {CS_ORDER}) AS {c}" for c in _STAT_NUMBERS)},
                         max((cs.f::BIGINT << 40) + cs.n) AS ref
                       FROM cs_slot JOIN cs USING (f, n, sub) GROUP BY cs_slot.sid) c USING (sid)""",
     ]
