@@ -110,52 +110,55 @@ def facts_sql() -> list[str]:
             LEFT JOIN pl hl ON p.withheld = 'head' AND hl.f = p.head_f AND hl.n = p.head_n
             LEFT JOIN pl dl ON p.withheld = 'line' AND dl.f = p.def_f AND dl.n = p.def_n
             LEFT JOIN px_not_cached nc ON nc.rid = p.rid""",
-        # ---- P's, D's and other engines' lines of the request
-        f"""CREATE TEMP TABLE vl_in AS SELECT s.sid, s.grp, v.f, v.n, v.kind, v.ctx_request_id, v.failure_type,
-              v.remote_tokens, v.threshold, v.local_blocks, v.remote_blocks, v.why, v.finish_reason,
-              (CASE s.grp WHEN 'p' THEN 0 WHEN 'd' THEN 1 ELSE 2 END::BIGINT << 58) + {REF.replace(
-                  'f', 'v.f').replace('+ n', '+ v.n')} AS o
-            FROM vl_slot s JOIN vl v USING (f, n)""",
+        # ---- P's, D's and other engines' lines of the request, in one pass: a P line's order ``o`` is its ref
+        # (its group's bits are 0), so its first ref is min(o); the hung line (P's last WAITING_FOR_REMOTE_KVS
+        # of a request that never completed) is known only after the pass, and takes its place among the
+        # failure reasons by its ``o``
         f"""CREATE TEMP TABLE vl_facts AS
-            WITH w AS (SELECT sid, max(o) FILTER (WHERE grp = 'p' AND kind = 'waiting_remote_kvs') AS last_wait,
-                         bool_or(grp = 'p' AND kind IN ({", ".join(map(sql_str, _COMPLETED_KINDS))})) AS completed,
-                         max(o) FILTER (WHERE grp = 'p' AND kind = 'finished_recving') AS last_recv
-                       FROM vl_in GROUP BY sid),
-            hung AS (SELECT sid, last_wait FROM w WHERE last_wait IS NOT NULL AND NOT coalesce(completed, false)
-                       AND NOT coalesce(last_recv > last_wait, false)),
-            fl AS (SELECT v.*, CASE WHEN v.kind = 'kv_load_failed' THEN 'P failed it on KV load failure '
-                                         || '(failure_policy=fail)'
-                                    WHEN v.kind = 'request_failed' THEN 'vLLM: request failed (' || v.why || ')'
-                                    WHEN v.kind = 'generated_response' AND v.finish_reason IN ('error', 'abort')
-                                      THEN 'finish_reason=' || v.finish_reason
-                                    WHEN v.o = h.last_wait THEN 'never completed: P stuck in WAITING_FOR_REMOTE_KVS '
-                                         || '(vLLM 0.33 recompute hang)' END AS fwhy
-                   FROM vl_in v LEFT JOIN hung h ON h.sid = v.sid)
-            SELECT sid,
-              {_first(REF, 'o', "grp = 'p'")} AS p_first_ref,
-              (list({REF} ORDER BY o) FILTER (WHERE grp = 'p'))[1:3] AS p_refs3,
-              {_first(REF, 'o', "grp = 'p' AND kind = 'declining_expired'")} AS p_decl,
-              coalesce({_first(REF, 'o', "grp = 'p' AND kind = 'nixl_failure' AND ctx_request_id IS NOT NULL")},
-                       {_first(REF, 'o', "grp = 'p' AND kind = 'nixl_failure'")}) AS p_nixl,
-              coalesce({_first('failure_type', 'o',
-                               "grp = 'p' AND kind = 'nixl_failure' AND ctx_request_id IS NOT NULL")},
-                       {_first('failure_type', 'o', "grp = 'p' AND kind = 'nixl_failure'")}) AS p_nixl_ft,
-              {_first(REF, 'o', "grp = 'p' AND kind = 'skip_remote_pull'")} AS p_skip,
-              {_first('remote_tokens', 'o', "grp = 'p' AND kind = 'skip_remote_pull'")} AS p_skip_n,
-              {_first('threshold', 'o', "grp = 'p' AND kind = 'skip_remote_pull'")} AS p_skip_thr,
-              {_first(REF, 'o', "grp = 'p' AND kind = 'kv_load_failed'")} AS p_kvfail,
-              {_first(REF, 'o', "grp = 'p' AND kind IN ('read_blocks', 'finished_recving')")} AS p_read,
-              {_first(REF, 'o', "grp = 'p' AND kind = 'start_load_kv'")} AS p_start,
-              {_first('local_blocks', 'o', "grp = 'p' AND kind = 'start_load_kv'")} AS p_start_local,
-              {_first('remote_blocks', 'o', "grp = 'p' AND kind = 'start_load_kv'")} AS p_start_remote,
-              {_first(REF, 'o', "fwhy LIKE 'never completed%'")} AS p_hung,
-              {_first(REF, 'o', "grp = 'released'")} AS released,
-              {_first(REF, 'o', "grp = 'stale'")} AS stale_read,
-              {_first(REF, "(CASE grp WHEN 'd' THEN 0 WHEN 'p' THEN 1 ELSE 2 END::BIGINT << 58) + (o & ((1::BIGINT "
-                           "<< 58) - 1))", "grp IN ('p', 'd', 'o') AND kind = 'aborted'")} AS aborted,
-              {_first('fwhy', 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS vl_failed_why,
-              {_first(REF, 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS vl_failed_ref
-            FROM fl GROUP BY sid""",
+            WITH v AS (SELECT s.sid, s.grp, v.kind, v.ctx_request_id, v.failure_type, v.remote_tokens, v.threshold,
+                         v.local_blocks, v.remote_blocks, {REF.replace('f', 'v.f').replace('+ n', '+ v.n')} AS ref,
+                         (CASE s.grp WHEN 'p' THEN 0 WHEN 'd' THEN 1 ELSE 2 END::BIGINT << 58)
+                           + {REF.replace('f', 'v.f').replace('+ n', '+ v.n')} AS o,
+                         CASE WHEN v.kind = 'kv_load_failed' THEN 'P failed it on KV load failure (failure_policy=fail)'
+                              WHEN v.kind = 'request_failed' THEN 'vLLM: request failed (' || v.why || ')'
+                              WHEN v.kind = 'generated_response' AND v.finish_reason IN ('error', 'abort')
+                                THEN 'finish_reason=' || v.finish_reason END AS fwhy
+                       FROM vl_slot s JOIN vl v USING (f, n)),
+            a AS (SELECT sid, max(o) FILTER (WHERE grp = 'p' AND kind = 'waiting_remote_kvs') AS last_wait,
+                    bool_or(grp = 'p' AND kind IN ({", ".join(map(sql_str, _COMPLETED_KINDS))})) AS completed,
+                    max(o) FILTER (WHERE grp = 'p' AND kind = 'finished_recving') AS last_recv,
+                    min(o) FILTER (WHERE grp = 'p') AS p_first_ref,
+                    list_sort(list(o) FILTER (WHERE grp = 'p'))[1:3] AS p_refs3,
+                    min(o) FILTER (WHERE grp = 'p' AND kind = 'declining_expired') AS p_decl,
+                    coalesce(min(o) FILTER (WHERE grp = 'p' AND kind = 'nixl_failure' AND ctx_request_id IS NOT NULL),
+                             min(o) FILTER (WHERE grp = 'p' AND kind = 'nixl_failure')) AS p_nixl,
+                    coalesce({_first('failure_type', 'o',
+                                     "grp = 'p' AND kind = 'nixl_failure' AND ctx_request_id IS NOT NULL")},
+                             {_first('failure_type', 'o', "grp = 'p' AND kind = 'nixl_failure'")}) AS p_nixl_ft,
+                    min(o) FILTER (WHERE grp = 'p' AND kind = 'skip_remote_pull') AS p_skip,
+                    {_first('remote_tokens', 'o', "grp = 'p' AND kind = 'skip_remote_pull'")} AS p_skip_n,
+                    {_first('threshold', 'o', "grp = 'p' AND kind = 'skip_remote_pull'")} AS p_skip_thr,
+                    min(o) FILTER (WHERE grp = 'p' AND kind = 'kv_load_failed') AS p_kvfail,
+                    min(o) FILTER (WHERE grp = 'p' AND kind IN ('read_blocks', 'finished_recving')) AS p_read,
+                    min(o) FILTER (WHERE grp = 'p' AND kind = 'start_load_kv') AS p_start,
+                    {_first('local_blocks', 'o', "grp = 'p' AND kind = 'start_load_kv'")} AS p_start_local,
+                    {_first('remote_blocks', 'o', "grp = 'p' AND kind = 'start_load_kv'")} AS p_start_remote,
+                    min(ref) FILTER (WHERE grp = 'released') AS released,
+                    min(ref) FILTER (WHERE grp = 'stale') AS stale_read,
+                    {_first('ref', "(CASE grp WHEN 'd' THEN 0 WHEN 'p' THEN 1 ELSE 2 END::BIGINT << 58) + ref",
+                            "grp IN ('p', 'd', 'o') AND kind = 'aborted'")} AS aborted,
+                    min(o) FILTER (WHERE grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL) AS fail_o,
+                    {_first('fwhy', 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS fail_why,
+                    {_first('ref', 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS fail_ref
+                  FROM v GROUP BY sid),
+            h AS (SELECT *, CASE WHEN last_wait IS NOT NULL AND NOT coalesce(completed, false)
+                                  AND NOT coalesce(last_recv > last_wait, false) THEN last_wait END AS p_hung FROM a)
+            SELECT sid, p_first_ref, p_refs3, p_decl, p_nixl, p_nixl_ft, p_skip, p_skip_n, p_skip_thr, p_kvfail, p_read,
+              p_start, p_start_local, p_start_remote, p_hung, released, stale_read, aborted,
+              CASE WHEN p_hung < coalesce(fail_o, p_hung + 1) THEN 'never completed: P stuck in '
+                     || 'WAITING_FOR_REMOTE_KVS (vLLM 0.33 recompute hang)' ELSE fail_why END AS vl_failed_why,
+              CASE WHEN p_hung < coalesce(fail_o, p_hung + 1) THEN p_hung ELSE fail_ref END AS vl_failed_ref
+            FROM h""",
         # ---- one row per turn
         f"""CREATE TEMP VIEW turn_facts AS
            SELECT s.sid, s.conv AS conversation_id, s.turn, s.rid AS request_id,

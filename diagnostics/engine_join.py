@@ -160,19 +160,19 @@ def join_sql(only: str | None) -> list[str]:
                WHERE e.source = 'router' AND e.remote_request_id IS NOT NULL
                  AND es.sid NOT IN (SELECT sid FROM px_slot WHERE offered IS NOT NULL) GROUP BY es.sid)
            GROUP BY offered_id""",
-        """CREATE TEMP TABLE vl_rids AS
-           SELECT f, n, request_id AS rid, 0 AS pos FROM vl WHERE kind IS NOT NULL AND request_id IS NOT NULL
-           UNION ALL SELECT v.f, v.n, r.rid, r.pos FROM vl v, unnest(v.request_ids) WITH ORDINALITY AS r(rid, pos)
-             WHERE v.kind IS NOT NULL AND len(v.request_ids) > 0
-           UNION ALL SELECT f, n, ctx_request_id, 1e9 FROM vl WHERE kind IS NOT NULL AND ctx_request_id IS NOT NULL""",
         """CREATE TEMP TABLE vl_slot AS
            WITH rel AS (SELECT v.f, v.n, o.sid, CASE v.kind WHEN 'releasing_expired' THEN 'released' ELSE 'stale' END
                           AS grp FROM vl v JOIN froles fr USING (f) JOIN offered o ON o.offered_id = v.request_id
                         WHERE v.kind IN ('releasing_expired', 'invalid_unrecognized')
                           AND fr.role IS DISTINCT FROM 'prefill'),
-           named AS (SELECT r.f, r.n, b.sid, min(r.pos) AS pos FROM vl_rids r JOIN by_rid b ON b.rid = hrid(r.rid)
-                     WHERE NOT EXISTS (SELECT 1 FROM rel WHERE rel.f = r.f AND rel.n = r.n)
-                     GROUP BY r.f, r.n, b.sid)
+           -- every id a line names, as its header id (a projection: DuckDB computes hrid's repeated parts once)
+           rids AS (SELECT f, n, hrid(rid) AS rid FROM (
+                      SELECT f, n, request_id AS rid FROM vl WHERE kind IS NOT NULL AND request_id IS NOT NULL
+                      UNION ALL SELECT f, n, unnest(list_concat(request_ids, [ctx_request_id])) FROM vl
+                      WHERE kind IS NOT NULL AND (len(request_ids) > 0 OR ctx_request_id IS NOT NULL))
+                    WHERE rid IS NOT NULL),
+           named AS (SELECT DISTINCT r.f, r.n, b.sid FROM rids r JOIN by_rid b ON b.rid = r.rid
+                     WHERE NOT EXISTS (SELECT 1 FROM rel WHERE rel.f = r.f AND rel.n = r.n))
            SELECT * FROM rel
            UNION ALL SELECT nm.f, nm.n, nm.sid, CASE
                WHEN fr.role = 'prefill' THEN 'p'
