@@ -487,6 +487,46 @@ def _field(i: int, kind: str, regex: re.Pattern[str], col: str) -> str | None:
     return _VLLM_FIELDS.get(kind, {}).get(col)
 
 
+# The first group of the common vLLM kinds is cut out of the whole match by position: RE2 finds a match's
+# bounds several times faster than its groups. The kind's pattern is "^literal(group)..." and the group ends
+# where the match's last literal starts (when the group is last) or at the first character after it (a literal
+# its class excludes).
+_CUT_BODIES: Final = ("[\\w.:-]+", "\\d+", "\\w+", "[\\w]+", ".*")
+_META: Final = "\\^$.|?*+()[]{}"
+
+
+def _literal(src: str) -> str | None:
+    """The text a pattern without metacharacters matches (escaped punctuation as itself), or None."""
+    out, i = [], 0
+    while i < len(src):
+        if src[i] == "\\" and i + 1 < len(src) and not src[i + 1].isalnum():
+            out.append(src[i + 1])
+            i += 2
+        elif src[i] in _META:
+            return None
+        else:
+            out.append(src[i])
+            i += 1
+    return "".join(out)
+
+
+def _first_group_cut(regex: re.Pattern[str], col: str) -> str | None:
+    """The pattern's first group in ``col`` (the whole match) by position, or None when its shape allows none."""
+    m = re.fullmatch(r"\^((?:\\[^A-Za-z0-9]|[^\\^$.|?*+()\[\]{}])+)\(([^()]*)\)(.*)", regex.pattern, re.DOTALL)
+    if m is None or m.group(2) not in _CUT_BODIES:
+        return None
+    start = len(_literal(m.group(1)) or "") + 1
+    rest = m.group(3)[:-1] if m.group(3).endswith("$") and not m.group(3).endswith("\\$") else m.group(3)
+    tail = _literal(rest)
+    if tail is not None:  # the group is the last: it ends where the match's final literal starts
+        return f"substr({col}, {start}, length({col}) - {start - 1 + len(tail)})"
+    after = _literal(rest[:2] if rest.startswith("\\") else rest[:1])
+    if (not after or rest[len(after) + rest.startswith("\\"):][:1] in ("?", "*", "+", "{")
+            or m.group(2) == ".*" or re.fullmatch(m.group(2)[:-1], after)):
+        return None
+    return f"left(substr({col}, {start}), strpos(substr({col}, {start}), {sql_str(after)}) - 1)"
+
+
 # vLLM's own header shape (HEADER_RE without VLLM_LOGGING_PREFIX), which vl_head cuts by position
 STD_HEADER_RE: Final = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
                                   r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]{1,300}:\d+\]")
@@ -495,7 +535,8 @@ STD_HEADER_RE: Final = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARN
 HEADER_GROUPS: Final = "['proc', 'pid', 'prefix', 'lvl', 'ts', 'file', 'line', 'msg']"
 
 
-VLLM_WORD: Final = "split_part(split_part(msg, ' ', 1), '(', 1)"  # a message's first word, as classify reads it
+# a message's first word (up to a space or "("), as classify reads it (one pattern: split_part splits the whole text)
+VLLM_WORD: Final = "regexp_extract(msg, '^[^ (]*')"
 # Below this many vLLM lines (one conversation's) a pattern's compile costs more than running it: the
 # Unicode-aware patterns alone, no ASCII branch.
 ASCII_BRANCH_MIN_LINES: Final = 5000
@@ -522,15 +563,17 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
               SELECT f, n, t, {rx('regexp_matches', 't', STD_HEADER_RE)} AS std FROM (
                 SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
                 FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
-              WHERE length(t) < {MAX_LINE_CHARS})
+              WHERE strlen(t) < {MAX_LINE_CHARS} OR length(t) < {MAX_LINE_CHARS})  -- bytes first: no count
             WHERE std OR {rx('regexp_matches', 't', vllm_log.HEADER_RE)}""",
-        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position; any other
-        # prefix (VLLM_LOGGING_PREFIX) through the full pattern
+        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position (the level ends
+        # at the space the header check proved: split_part would split the whole line); any other prefix
+        # (VLLM_LOGGING_PREFIX) through the full pattern
         f"""CREATE TEMP TABLE vl_head AS
             WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc,
                          CASE WHEN starts_with(t, '(') THEN substr(t, strpos(t, ') ') + 2) ELSE t END AS rest
                        FROM vl_clean WHERE std),
-            l AS (SELECT *, split_part(rest, ' ', 1) AS level, ltrim(substr(rest, strpos(rest, ' ') + 1)) AS al FROM s)
+            l AS (SELECT *, left(rest, strpos(rest, ' ') - 1) AS level, ltrim(substr(rest, strpos(rest, ' ') + 1)) AS al
+                  FROM s)
             SELECT f, n, CASE WHEN has_proc THEN substr(t, 2, strpos(t, ' pid=') - 2) ELSE '' END AS proc,
               CASE WHEN has_proc THEN substr(t, strpos(t, ' pid=') + 5, strpos(t, ') ') - strpos(t, ' pid=') - 5)
                    ELSE '' END AS pid, level, left(al, 14) AS ts,
@@ -552,11 +595,20 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
     def rx(fn: str, regex: re.Pattern[str], *args: str) -> str:
         return _rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch)
 
+    # the groups each kind's fields read; a kind whose fields read only its first group (and that has a first
+    # word) gets its match ``m<i>``, and the group is cut out of it
+    used = {i: {int(g) for col in _VLLM_COLUMNS for g in re.findall(r"x\.g(\d+)", _field(i, kind, regex, col) or "")}
+            for i, kind, regex, _first in classes}
+    cuts = {i: cut for i, _kind, regex, first in classes if first is not None and used[i] <= {1}
+            and (cut := _first_group_cut(regex, f"m{i}")) is not None}
     whens = []
     for i, _kind, regex, first in classes:
-        cond = rx("regexp_matches", regex)
-        whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
-                     else f"WHEN {cond} THEN {i}")
+        if i in cuts:
+            whens.append(f"WHEN m{i} <> '' THEN {i}")
+        else:
+            cond = rx("regexp_matches", regex)
+            whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
+                         else f"WHEN {cond} THEN {i}")
     fields = []
     for col, ctype in _VLLM_COLUMNS.items():
         picks = []
@@ -566,13 +618,18 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
                 picks.append(f"WHEN {i} THEN {expr.replace('x.', f'x{i}.')}")
         fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
                       else f"CAST(NULL AS {ctype}) AS {col}")
-    structs = "".join(f", CASE WHEN k = {i} THEN {rx('regexp_extract', regex, _group_list(regex))} END AS x{i}"
-                      for i, _kind, regex, _first in classes if regex.groups)
+    matches = "".join(f", CASE WHEN w = {sql_str(first)} THEN {rx('regexp_extract', regex)} END AS m{i}"
+                      for i, _kind, regex, first in classes if i in cuts and first is not None)
+    structs = ""
+    for i, _kind, regex, _first in classes:
+        if used[i]:
+            groups = f"struct_pack(g1 := {cuts[i]})" if i in cuts else rx("regexp_extract", regex, _group_list(regex))
+            structs += f", CASE WHEN k = {i} THEN {groups} END AS x{i}"
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
     kind_name = f"CASE k {kind_names} END" if kind_names else "NULL::VARCHAR"
     ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch else ""
     return f"""CREATE TEMP TABLE vl AS SELECT f, n,
               NULL::VARCHAR AS text, level, ts, {kind_name} AS kind, {', '.join(fields)}
-            FROM (SELECT *{structs} FROM (SELECT *, {kind} AS k
-                                          FROM (SELECT *, {VLLM_WORD} AS w{ascii_col} FROM vl_head)))"""
+            FROM (SELECT *{structs} FROM (SELECT *, {kind} AS k FROM (SELECT *{matches}
+                  FROM (SELECT *, {VLLM_WORD} AS w{ascii_col} FROM vl_head))))"""
