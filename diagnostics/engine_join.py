@@ -130,13 +130,17 @@ def join_sql(only: str | None) -> list[str]:
            UNION ALL SELECT r.f, r.n, b.sid, NULL FROM ev_rid_only r JOIN by_rid b USING (rid)""",
         """CREATE TEMP TABLE px_slot AS SELECT p.*, b.sid FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
+        # (the same-numbered turn only for the statistics neither a request id nor a placed turn took: a
+        # subquery over every statistic costs as much as the joins)
         """CREATE TEMP TABLE cs_slot AS
-           SELECT a.f, a.n, a.sub, coalesce(b.sid, pl.sid, (SELECT min(s.sid) FROM slots s
-             WHERE s.conv = a.conversation_id AND s.turn = a.nturn)) AS sid FROM cs_pick a
-           LEFT JOIN by_rid b ON b.rid = a.rid_match
-           LEFT JOIN (SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s ON s.conv = p.conv AND s.turn = p.turn
-                        AND s.rid IS NOT DISTINCT FROM p.rid) pl
-             ON pl.conv = a.conversation_id AND pl.k = a.place AND a.rid_match IS NULL""",
+           WITH a AS MATERIALIZED (SELECT a.f, a.n, a.sub, a.conversation_id, a.nturn, coalesce(b.sid, pl.sid) AS sid
+             FROM cs_pick a LEFT JOIN by_rid b ON b.rid = a.rid_match
+             LEFT JOIN (SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s ON s.conv = p.conv AND s.turn = p.turn
+                          AND s.rid IS NOT DISTINCT FROM p.rid) pl
+               ON pl.conv = a.conversation_id AND pl.k = a.place AND a.rid_match IS NULL)
+           SELECT f, n, sub, sid FROM a WHERE sid IS NOT NULL
+           UNION ALL SELECT f, n, sub, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
+             AND s.turn = a.nturn) FROM a WHERE sid IS NULL""",
         # ---- 4. engine events: by request id (header or engine id), else their conversation and turn
         """CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.source, coalesce(
               (SELECT sid FROM by_rid WHERE rid = e.request_id),
@@ -242,40 +246,40 @@ def _stats_sql(only: str | None) -> list[str]:
     """``cs_pick``: where each client statistic goes (a request id, the k-th placed turn, or its own number)."""
     only_sql = "true" if only is None else f"conversation_id = {sql_str(only)}"
     return [
-        """CREATE TEMP TABLE cs_num AS SELECT cs.*, row_number() OVER (PARTITION BY conversation_id
-             ORDER BY CASE WHEN all_turns THEN 0 ELSE coalesce(input_num_turns, 0) END,
-                      CASE WHEN all_turns THEN 0.0 ELSE coalesce(start_time_ms, 0.0) END, f, n, sub) AS k,
-             all_turns
-           FROM (SELECT *, bool_and(turn IS NOT NULL) OVER (PARTITION BY conversation_id) AS all_turns FROM cs) cs""",
-        f"""CREATE TEMP TABLE cs_first AS SELECT conversation_id, count(*) AS nstats,
-              arg_min(CASE WHEN all_turns THEN 1 WHEN input_num_turns >= 1 THEN (input_num_turns + 1) // 2 ELSE 1 END,
-                      k) AS first_turn
-            FROM cs_num WHERE {only_sql} GROUP BY conversation_id""",
         # the turns already made, in the order correlate's _request_order gives (turn, then the proxy's order
         # or the events' time); only conversations with statistics (the only ones placed)
-        """CREATE TEMP TABLE placed_src AS
+        """CREATE TEMP TABLE placed AS
            WITH s AS (SELECT * FROM slot_src WHERE conv IN (SELECT conversation_id FROM cs))
-           SELECT s.*, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
-             coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k
+           SELECT s.conv, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
+             coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k, s.rid, s.turn
            FROM s LEFT JOIN (SELECT rid, min(seq) AS seq FROM px_req WHERE conv IS NOT NULL
                              AND rid IN (SELECT rid FROM s) GROUP BY rid) p ON p.rid = s.rid
            LEFT JOIN (SELECT rid, min(ts) AS ts FROM ev_slot_key WHERE rid IN (SELECT rid FROM s) GROUP BY rid) t
              ON t.rid = s.rid""",
-        """CREATE TEMP TABLE cs_pick AS
-           SELECT c.f, c.n, c.sub, c.conversation_id, c.k,
-             CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) THEN c.request_id END
-               AS rid_match,
-             CASE WHEN c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) OR c.turn IS NOT NULL
-                  THEN NULL
-                  WHEN c.k + sk.skip <= coalesce(np.nplaced, 0) THEN c.k + sk.skip END AS place,
-             CASE WHEN c.all_turns THEN c.turn ELSE c.k END AS nturn, c.request_id AS own_rid
-           FROM cs_num c JOIN cs_first cf USING (conversation_id)
-           LEFT JOIN (SELECT conv, count(*) AS nplaced FROM placed_src GROUP BY conv) np ON np.conv = c.conversation_id
-           JOIN (SELECT cf2.conversation_id, CASE WHEN coalesce(np2.nplaced, 0) > cf2.nstats
-                   THEN cf2.first_turn - 1 ELSE 0 END AS skip FROM cs_first cf2
-                 LEFT JOIN (SELECT conv, count(*) AS nplaced FROM placed_src GROUP BY conv) np2
-                   ON np2.conv = cf2.conversation_id) sk ON sk.conversation_id = c.conversation_id""",
-        """CREATE TEMP TABLE placed AS SELECT conv, k, rid, turn FROM placed_src""",
+        # the k-th statistic of a conversation (by messages sent, then start time) goes to its k-th placed turn,
+        # after the turns the first statistic's message count says were not measured (when there are more placed
+        # turns than statistics). One window pass over the columns it needs gives k, the conversation's count
+        # and the first statistic's turn.
+        f"""CREATE TEMP TABLE cs_pick AS
+            WITH c AS (SELECT f, n, sub, conversation_id, request_id, turn, all_turns, nstats, row_number() OVER w AS k,
+                         first_value(CASE WHEN all_turns THEN 1 WHEN input_num_turns >= 1
+                                          THEN (input_num_turns + 1) // 2 ELSE 1 END) OVER w AS first_turn
+                       FROM (SELECT f, n, sub, conversation_id, request_id, turn, input_num_turns, start_time_ms,
+                               bool_and(turn IS NOT NULL) OVER (PARTITION BY conversation_id) AS all_turns,
+                               count(*) OVER (PARTITION BY conversation_id) AS nstats
+                             FROM cs WHERE conversation_id IS NOT NULL AND {only_sql})
+                       WINDOW w AS (PARTITION BY conversation_id
+                         ORDER BY CASE WHEN all_turns THEN 0 ELSE coalesce(input_num_turns, 0) END,
+                                  CASE WHEN all_turns THEN 0.0 ELSE coalesce(start_time_ms, 0.0) END, f, n, sub)),
+            m AS (SELECT c.*, c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) AS known,
+                    coalesce(np.nplaced, 0) AS nplaced
+                  FROM c LEFT JOIN (SELECT conv, count(*) AS nplaced FROM placed GROUP BY conv) np
+                    ON np.conv = c.conversation_id),
+            o AS (SELECT *, k + CASE WHEN nplaced > nstats THEN first_turn - 1 ELSE 0 END AS kth FROM m)
+            SELECT f, n, sub, conversation_id, k, CASE WHEN known THEN request_id END AS rid_match,
+              CASE WHEN known OR turn IS NOT NULL THEN NULL WHEN kth <= nplaced THEN kth END AS place,
+              CASE WHEN all_turns THEN turn ELSE k END AS nturn, request_id AS own_rid
+            FROM o""",
         # a statistic beyond the placed turns: the same-numbered turn without one, else a turn of its own
         """CREATE TEMP TABLE cs_new AS SELECT DISTINCT own_rid AS rid, conversation_id AS conv, nturn AS turn,
              2e12 + k AS ord, 2 AS stage FROM cs_pick
