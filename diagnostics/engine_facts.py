@@ -110,55 +110,7 @@ def facts_sql() -> list[str]:
             LEFT JOIN pl hl ON p.withheld = 'head' AND hl.f = p.head_f AND hl.n = p.head_n
             LEFT JOIN pl dl ON p.withheld = 'line' AND dl.f = p.def_f AND dl.n = p.def_n
             LEFT JOIN px_not_cached nc ON nc.rid = p.rid""",
-        # ---- P's, D's and other engines' lines of the request, in one pass: a P line's order ``o`` is its ref
-        # (its group's bits are 0), so its first ref is min(o); the hung line (P's last WAITING_FOR_REMOTE_KVS
-        # of a request that never completed) is known only after the pass, and takes its place among the
-        # failure reasons by its ``o``
-        f"""CREATE TEMP TABLE vl_facts AS
-            WITH v AS (SELECT s.sid, s.grp, v.kind, v.ctx_request_id, v.failure_type, v.remote_tokens, v.threshold,
-                         v.local_blocks, v.remote_blocks, {REF.replace('f', 'v.f').replace('+ n', '+ v.n')} AS ref,
-                         (CASE s.grp WHEN 'p' THEN 0 WHEN 'd' THEN 1 ELSE 2 END::BIGINT << 58)
-                           + {REF.replace('f', 'v.f').replace('+ n', '+ v.n')} AS o,
-                         CASE WHEN v.kind = 'kv_load_failed' THEN 'P failed it on KV load failure (failure_policy=fail)'
-                              WHEN v.kind = 'request_failed' THEN 'vLLM: request failed (' || v.why || ')'
-                              WHEN v.kind = 'generated_response' AND v.finish_reason IN ('error', 'abort')
-                                THEN 'finish_reason=' || v.finish_reason END AS fwhy
-                       FROM vl_slot s JOIN vl v USING (f, n)),
-            a AS (SELECT sid, max(o) FILTER (WHERE grp = 'p' AND kind = 'waiting_remote_kvs') AS last_wait,
-                    bool_or(grp = 'p' AND kind IN ({", ".join(map(sql_str, _COMPLETED_KINDS))})) AS completed,
-                    max(o) FILTER (WHERE grp = 'p' AND kind = 'finished_recving') AS last_recv,
-                    min(o) FILTER (WHERE grp = 'p') AS p_first_ref,
-                    list_sort(list(o) FILTER (WHERE grp = 'p'))[1:3] AS p_refs3,
-                    min(o) FILTER (WHERE grp = 'p' AND kind = 'declining_expired') AS p_decl,
-                    coalesce(min(o) FILTER (WHERE grp = 'p' AND kind = 'nixl_failure' AND ctx_request_id IS NOT NULL),
-                             min(o) FILTER (WHERE grp = 'p' AND kind = 'nixl_failure')) AS p_nixl,
-                    coalesce({_first('failure_type', 'o',
-                                     "grp = 'p' AND kind = 'nixl_failure' AND ctx_request_id IS NOT NULL")},
-                             {_first('failure_type', 'o', "grp = 'p' AND kind = 'nixl_failure'")}) AS p_nixl_ft,
-                    min(o) FILTER (WHERE grp = 'p' AND kind = 'skip_remote_pull') AS p_skip,
-                    {_first('remote_tokens', 'o', "grp = 'p' AND kind = 'skip_remote_pull'")} AS p_skip_n,
-                    {_first('threshold', 'o', "grp = 'p' AND kind = 'skip_remote_pull'")} AS p_skip_thr,
-                    min(o) FILTER (WHERE grp = 'p' AND kind = 'kv_load_failed') AS p_kvfail,
-                    min(o) FILTER (WHERE grp = 'p' AND kind IN ('read_blocks', 'finished_recving')) AS p_read,
-                    min(o) FILTER (WHERE grp = 'p' AND kind = 'start_load_kv') AS p_start,
-                    {_first('local_blocks', 'o', "grp = 'p' AND kind = 'start_load_kv'")} AS p_start_local,
-                    {_first('remote_blocks', 'o', "grp = 'p' AND kind = 'start_load_kv'")} AS p_start_remote,
-                    min(ref) FILTER (WHERE grp = 'released') AS released,
-                    min(ref) FILTER (WHERE grp = 'stale') AS stale_read,
-                    {_first('ref', "(CASE grp WHEN 'd' THEN 0 WHEN 'p' THEN 1 ELSE 2 END::BIGINT << 58) + ref",
-                            "grp IN ('p', 'd', 'o') AND kind = 'aborted'")} AS aborted,
-                    min(o) FILTER (WHERE grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL) AS fail_o,
-                    {_first('fwhy', 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS fail_why,
-                    {_first('ref', 'o', "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL")} AS fail_ref
-                  FROM v GROUP BY sid),
-            h AS (SELECT *, CASE WHEN last_wait IS NOT NULL AND NOT coalesce(completed, false)
-                                  AND NOT coalesce(last_recv > last_wait, false) THEN last_wait END AS p_hung FROM a)
-            SELECT sid, p_first_ref, p_refs3, p_decl, p_nixl, p_nixl_ft, p_skip, p_skip_n, p_skip_thr, p_kvfail, p_read,
-              p_start, p_start_local, p_start_remote, p_hung, released, stale_read, aborted,
-              CASE WHEN p_hung < coalesce(fail_o, p_hung + 1) THEN 'never completed: P stuck in '
-                     || 'WAITING_FOR_REMOTE_KVS (vLLM 0.33 recompute hang)' ELSE fail_why END AS vl_failed_why,
-              CASE WHEN p_hung < coalesce(fail_o, p_hung + 1) THEN p_hung ELSE fail_ref END AS vl_failed_ref
-            FROM h""",
+        _vl_facts_sql(),
         # ---- one row per turn
         f"""CREATE TEMP VIEW turn_facts AS
            SELECT s.sid, s.conv AS conversation_id, s.turn, s.rid AS request_id,
@@ -229,6 +181,82 @@ def _ev_facts_sql() -> str:
       UNION ALL SELECT sid, count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events, {aggregated},
         (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os
       FROM tev_r WHERE sid IN (SELECT sid FROM tev_multi) GROUP BY sid"""
+
+
+def _vl_fact_specs() -> list[tuple[str, str, str, str, str]]:
+    """(column, how, value, where, order) of ``vl_facts``' pass over a turn's vLLM lines: how is ``min`` / ``max``
+    (of the value over the lines where ``where`` holds), ``first`` (the value of the first such line in
+    ``order`` that has one), ``first3`` (the first three values, in order) or ``any``. A P line's ``o`` is its
+    ref (its group's bits are 0): its first ref is min(o)."""
+    p = "grp = 'p' AND kind"
+    nixl = "grp = 'p' AND kind = 'nixl_failure'"
+    failed = "grp IN ('p', 'd', 'o') AND fwhy IS NOT NULL"
+    return [
+        ("last_wait", "max", "o", f"{p} = 'waiting_remote_kvs'", ""),
+        ("completed", "any", "", f"{p} IN ({', '.join(map(sql_str, _COMPLETED_KINDS))})", ""),
+        ("last_recv", "max", "o", f"{p} = 'finished_recving'", ""),
+        ("p_first_ref", "min", "o", "grp = 'p'", ""),
+        ("p_refs3", "first3", "o", "grp = 'p'", ""),
+        ("p_decl", "min", "o", f"{p} = 'declining_expired'", ""),
+        ("p_nixl_ctx", "min", "o", f"{nixl} AND ctx_request_id IS NOT NULL", ""),
+        ("p_nixl_any", "min", "o", nixl, ""),
+        ("p_nixl_ft_ctx", "first", "failure_type", f"{nixl} AND ctx_request_id IS NOT NULL", "o"),
+        ("p_nixl_ft_any", "first", "failure_type", nixl, "o"),
+        ("p_skip", "min", "o", f"{p} = 'skip_remote_pull'", ""),
+        ("p_skip_n", "first", "remote_tokens", f"{p} = 'skip_remote_pull'", "o"),
+        ("p_skip_thr", "first", "threshold", f"{p} = 'skip_remote_pull'", "o"),
+        ("p_kvfail", "min", "o", f"{p} = 'kv_load_failed'", ""),
+        ("p_read", "min", "o", f"{p} IN ('read_blocks', 'finished_recving')", ""),
+        ("p_start", "min", "o", f"{p} = 'start_load_kv'", ""),
+        ("p_start_local", "first", "local_blocks", f"{p} = 'start_load_kv'", "o"),
+        ("p_start_remote", "first", "remote_blocks", f"{p} = 'start_load_kv'", "o"),
+        ("released", "min", "ref", "grp = 'released'", ""),
+        ("stale_read", "min", "ref", "grp = 'stale'", ""),
+        # D's abort first
+        ("aborted", "first", "ref", "grp IN ('p', 'd', 'o') AND kind = 'aborted'",
+         "(CASE grp WHEN 'd' THEN 0 WHEN 'p' THEN 1 ELSE 2 END::BIGINT << 58) + ref"),
+        ("fail_o", "min", "o", failed, ""),
+        ("fail_why", "first", "fwhy", failed, "o"),
+        ("fail_ref", "first", "ref", failed, "o"),
+    ]
+
+
+def _vl_facts_sql() -> str:
+    """``vl_facts``: P's, D's and other engines' lines of each turn. The turns with more than one line are
+    aggregated; a turn's single line gives each column by itself (an aggregate of one value is the value). The
+    hung line (P's last WAITING_FOR_REMOTE_KVS of a request that never completed) is known only after the pass
+    and takes its place among the failure reasons by its ``o``."""
+    specs = _vl_fact_specs()
+    agg = {"min": "min({v}) FILTER (WHERE {w})", "max": "max({v}) FILTER (WHERE {w})",
+           "first": "arg_min({v}, {o}) FILTER (WHERE {w})", "first3": "list_sort(list({v}) FILTER (WHERE {w}))[1:3]",
+           "any": "bool_or({w})"}
+    one = {"min": "CASE WHEN {w} THEN {v} END", "max": "CASE WHEN {w} THEN {v} END",
+           "first": "CASE WHEN {w} THEN {v} END", "first3": "CASE WHEN {w} THEN [{v}] END", "any": "({w})"}
+    aggregated = ",\n  ".join(agg[how].format(v=v, w=w, o=o) + f" AS {c}" for c, how, v, w, o in specs)
+    per_line = ",\n  ".join(one[how].format(v=v, w=w) + f" AS {c}" for c, how, v, w, _o in specs)
+    ref = REF.replace("f", "v.f").replace("+ n", "+ v.n")
+    hung = "p_hung < coalesce(fail_o, p_hung + 1)"
+    return f"""CREATE TEMP TABLE vl_facts AS
+      WITH v AS MATERIALIZED (SELECT s.sid, s.grp, v.kind, v.ctx_request_id, v.failure_type, v.remote_tokens,
+          v.threshold, v.local_blocks, v.remote_blocks, {ref} AS ref,
+          (CASE s.grp WHEN 'p' THEN 0 WHEN 'd' THEN 1 ELSE 2 END::BIGINT << 58) + {ref} AS o,
+          CASE WHEN v.kind = 'kv_load_failed' THEN 'P failed it on KV load failure (failure_policy=fail)'
+               WHEN v.kind = 'request_failed' THEN 'vLLM: request failed (' || v.why || ')'
+               WHEN v.kind = 'generated_response' AND v.finish_reason IN ('error', 'abort')
+                 THEN 'finish_reason=' || v.finish_reason END AS fwhy
+        FROM vl_slot s JOIN vl v USING (f, n)),
+      multi AS (SELECT sid FROM v GROUP BY sid HAVING count(*) > 1),
+      a AS (SELECT sid, {aggregated} FROM v WHERE sid IN (SELECT sid FROM multi) GROUP BY sid
+        UNION ALL SELECT sid, {per_line} FROM v WHERE sid NOT IN (SELECT sid FROM multi)),
+      h AS (SELECT *, CASE WHEN last_wait IS NOT NULL AND NOT coalesce(completed, false)
+                            AND NOT coalesce(last_recv > last_wait, false) THEN last_wait END AS p_hung FROM a)
+      SELECT sid, p_first_ref, p_refs3, p_decl, coalesce(p_nixl_ctx, p_nixl_any) AS p_nixl,
+        coalesce(p_nixl_ft_ctx, p_nixl_ft_any) AS p_nixl_ft, p_skip, p_skip_n, p_skip_thr, p_kvfail, p_read, p_start,
+        p_start_local, p_start_remote, p_hung, released, stale_read, aborted,
+        CASE WHEN {hung} THEN 'never completed: P stuck in WAITING_FOR_REMOTE_KVS (vLLM 0.33 recompute hang)'
+             ELSE fail_why END AS vl_failed_why,
+        CASE WHEN {hung} THEN p_hung ELSE fail_ref END AS vl_failed_ref
+      FROM h"""
 
 
 _WS: Final = "' \t\r\n\x0b\x0c'"
