@@ -76,26 +76,27 @@ def join_sql(only: str | None) -> list[str]:
                 THEN 1 ELSE 2 END AS pass
               FROM ev WHERE source IN ('router', 'client') AND cconv IS NOT NULL AND turn IS NOT NULL
                 AND {only_sql})""",
+        # slots made by events: one per request id (its first event's conversation and turn), one per
+        # conversation and number for events without a request id. The ids router events have come first
+        # (a client event that joins one comes later in pord); the other client events' ids are none of those.
+        """CREATE TEMP TABLE slot_src AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
+             arg_min(turn, pord) AS turn, min(pord) AS ord, 0 AS stage, bool_or(pass = 0) AS routed,
+             bool_or(pass = 1) AS answered FROM tev WHERE pass < 2 AND request_id IS NOT NULL GROUP BY request_id""",
         # a router-only turn of a conversation and number takes the first other client event of it
-        """CREATE TEMP TABLE rid_first AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
-             arg_min(turn, pord) AS turn, min(pord) AS pord FROM tev WHERE pass < 2 AND request_id IS NOT NULL
-           GROUP BY request_id""",
-        """CREATE TEMP TABLE lone AS SELECT r.conv, r.turn, min(r.rid) AS rid FROM rid_first r
-           WHERE EXISTS (SELECT 1 FROM tev WHERE tev.request_id = r.rid AND tev.pass = 0)
-             AND NOT EXISTS (SELECT 1 FROM tev WHERE tev.request_id = r.rid AND tev.pass = 1)
-           GROUP BY r.conv, r.turn HAVING count(*) = 1""",
+        """CREATE TEMP TABLE lone AS SELECT conv, turn, min(rid) AS rid FROM slot_src WHERE routed AND NOT answered
+           GROUP BY conv, turn HAVING count(*) = 1""",
         """CREATE TEMP TABLE lone_taken AS SELECT t.f, t.n, l.rid FROM (
              SELECT f, n, cconv, turn, row_number() OVER (PARTITION BY cconv, turn ORDER BY pord) AS k FROM tev
              WHERE pass = 2) t JOIN lone l ON l.conv = t.cconv AND l.turn = t.turn WHERE t.k = 1""",
-        # slots made by events: one per request id (its first event's conversation and turn), one per
-        # conversation and number for events without a request id
         """CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord, t.pass, t.ts,
              CASE WHEN lt.rid IS NOT NULL THEN lt.rid ELSE t.request_id END AS rid, t.cconv, t.turn
            FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n""",
-        """CREATE TEMP TABLE slot_src AS
-           SELECT rid, arg_min(cconv, pord) AS conv, arg_min(turn, pord) AS turn, min(pord) AS ord, 0 AS stage
-             FROM ev_slot_key WHERE rid IS NOT NULL GROUP BY rid
-           UNION ALL SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL GROUP BY cconv, turn""",
+        "ALTER TABLE slot_src DROP COLUMN routed",
+        "ALTER TABLE slot_src DROP COLUMN answered",
+        """INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), min(pord), 0 FROM ev_slot_key
+           WHERE pass = 2 AND rid IS NOT NULL AND rid NOT IN (SELECT rid FROM slot_src) GROUP BY rid""",
+        """INSERT INTO slot_src SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL
+           GROUP BY cconv, turn""",
         # router events without a conversation or turn join by the request id
         """CREATE TEMP TABLE ev_rid_only AS SELECT f, n, request_id AS rid FROM ev
            WHERE source = 'router' AND (cconv IS NULL OR turn IS NULL) AND request_id IN
