@@ -93,6 +93,11 @@ def join_sql(only: str | None) -> list[str]:
            FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n""",
         "ALTER TABLE slot_src DROP COLUMN routed",
         "ALTER TABLE slot_src DROP COLUMN answered",
+        # (unless a line json_logs read as an array of events holds a router or client event with one a lone turn
+        # takes: then the key of each such event is the one taken, and the slots are counted from the keys)
+        """DELETE FROM slot_src WHERE EXISTS (SELECT 1 FROM tev t JOIN lone_taken lt USING (f, n) WHERE t.pass < 2)""",
+        """INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), min(pord), 0 FROM ev_slot_key
+           WHERE pass < 2 AND rid IS NOT NULL AND NOT EXISTS (SELECT 1 FROM slot_src) GROUP BY rid""",
         """INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), min(pord), 0 FROM ev_slot_key
            WHERE pass = 2 AND rid IS NOT NULL AND rid NOT IN (SELECT rid FROM slot_src) GROUP BY rid""",
         """INSERT INTO slot_src SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL
