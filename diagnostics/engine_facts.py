@@ -9,6 +9,7 @@ evidence's ``file:line`` and text are looked up only for the turns explain print
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from kvdiag.diagnostics.engine_parse import VLLM_TEXT, sql_str
@@ -215,6 +216,17 @@ def _ev_fact_specs() -> list[tuple[str, str, str, str]]:
     ]
 
 
+_GRP_TEST: Final = re.compile(r"grp (=|<|IN) (\d|\([0-9, ]+\))")
+
+
+def _grp_holds(where: str, grp: int) -> bool:
+    """Whether an ev_facts condition (it starts with a test of ``grp``) can hold for an event of group grp."""
+    m = _GRP_TEST.match(where)
+    assert m is not None, where
+    values = [int(x) for x in m.group(2).strip("()").split(",")]
+    return grp in values if m.group(1) != "<" else grp < values[0]
+
+
 def _ev_order(source: str) -> str:
     # a client or router event's place among its turn's events (P's and D's follow)
     grp = f"CASE {source} WHEN 'client' THEN 0 ELSE 1 END"
@@ -233,20 +245,29 @@ def _ev_facts_sql(cols: str) -> str:
     agg = {"first": "arg_min({v}, o) FILTER (WHERE {w})", "last": "arg_max({v}, o) FILTER (WHERE {w})",
            "any": "bool_or({w})"}
     aggregated = ",\n  ".join(agg[how].format(v=v, w=w) + f" AS {c}" for c, how, v, w in specs)
-    per_row = ", ".join(f"{w} AS {c}" if how == "any" else f"CASE WHEN {w} THEN {v} END AS {c}"
-                        for c, how, v, w in specs)
-    pair = {"first": "coalesce(c.{c}, r.{c})", "last": "coalesce(r.{c}, c.{c})",
+
+    def per_row(grp: int) -> str:
+        # a side carries only the columns its events can set (the others are NULL, or false: pair_value)
+        return ", ".join(f"{w} AS {c}" if how == "any" else f"CASE WHEN {w} THEN {v} END AS {c}"
+                         for c, how, v, w in specs if _grp_holds(w, grp))
+
+    def pair_value(side: str, grp: int, c: str, how: str, w: str) -> str:
+        if _grp_holds(w, grp):
+            return f"{side}.{c}"
+        return f"CASE WHEN {side}.sid IS NOT NULL THEN false END" if how == "any" else "NULL"
+
+    pair = {"first": "coalesce({c}, {r})", "last": "coalesce({r}, {c})",
             # bool_or: NULL when no row says true or false
-            "any": "CASE WHEN c.{c} IS NOT NULL OR r.{c} IS NOT NULL THEN coalesce(c.{c}, false) "
-                   "OR coalesce(r.{c}, false) END"}
-    paired = ",\n  ".join(pair[how].format(c=c) + f" AS {c}" for c, how, _v, _w in specs)
+            "any": "CASE WHEN {c} IS NOT NULL OR {r} IS NOT NULL THEN coalesce({c}, false) OR coalesce({r}, false) END"}
+    paired = ",\n  ".join(pair[how].format(c=pair_value("c", 0, c, how, w), r=pair_value("r", 1, c, how, w))
+                           + f" AS {c}" for c, how, _v, w in specs)
     # the events of a paired turn straight from ev (tev_r holds only the aggregated turns' events)
     side = ("SELECT sid, {per_row}, outcome AS d_outcome, reason AS d_reason, failure_type AS d_ft, "
             "(f::BIGINT << 40) + n AS d_ref FROM (SELECT {cols}, s.sid, {grp} AS grp, {o} AS o "
             "FROM (SELECT * FROM ev_slot WHERE sid NOT IN (SELECT sid FROM tev_multi)) s JOIN ev e USING (f, n) "
             "WHERE e.source {op} 'client')")
-    c_side = side.format(per_row=per_row, cols=cols, grp=0, o=_ev_order("e.source"), op="=")
-    r_side = side.format(per_row=per_row, cols=cols, grp=1, o=_ev_order("e.source"), op="<>")
+    c_side = side.format(per_row=per_row(0), cols=cols, grp=0, o=_ev_order("e.source"), op="=")
+    r_side = side.format(per_row=per_row(1), cols=cols, grp=1, o=_ev_order("e.source"), op="<>")
     # decider's choice for such a turn: the router's outcome unless unknown, else the client's
     dec = ("CASE WHEN r.r_first IS NOT NULL AND r.r_outcome <> 'unknown' THEN r.{d} "
            "WHEN c.c_first IS NOT NULL THEN c.{d} END")
