@@ -144,12 +144,14 @@ def join_sql(only: str | None) -> list[str]:
                         AND s.rid IS NOT DISTINCT FROM p.rid) pl
              ON pl.conv = a.conversation_id AND pl.k = a.place AND a.rid_match IS NULL""",
         # ---- 4. engine events: by request id (header or engine id), else their conversation and turn
-        """CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.source, coalesce(
-              (SELECT sid FROM by_rid WHERE rid = e.request_id),
-              (SELECT sid FROM by_rid WHERE rid = hrid(e.request_id)),
-              (SELECT sid FROM by_rid WHERE rid = e.engine_request_id),
-              (SELECT sid FROM by_rid WHERE rid = hrid(e.engine_request_id))) AS sid, e.cconv, e.turn
-            FROM ev e WHERE e.source IN ('prefill', 'decode')""",
+        # (joins, not scalar subqueries: those checked every id of by_rid for a second slot, even with no engine
+        # events; an id an event names has one slot, or those subqueries failed)
+        """CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.source, coalesce(b1.sid, b2.sid, b3.sid, b4.sid) AS sid,
+              e.cconv, e.turn
+            FROM ev e LEFT JOIN by_rid b1 ON b1.rid = e.request_id LEFT JOIN by_rid b2 ON b2.rid = hrid(e.request_id)
+              LEFT JOIN by_rid b3 ON b3.rid = e.engine_request_id
+              LEFT JOIN by_rid b4 ON b4.rid = hrid(e.engine_request_id)
+            WHERE e.source IN ('prefill', 'decode')""",
         f"""CREATE TEMP TABLE eng_new AS SELECT DISTINCT cconv AS conv, turn FROM eng_ev
             WHERE sid IS NULL AND cconv IS NOT NULL AND turn IS NOT NULL AND {only_sql}
               AND NOT EXISTS (SELECT 1 FROM slots s WHERE s.rid IS NULL AND s.conv = eng_ev.cconv
