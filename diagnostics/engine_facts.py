@@ -50,19 +50,16 @@ def facts_sql() -> list[str]:
     cols = ", ".join(f"e.{c}" for c in _TEV_COLUMNS)
     return [
         # turns with more than one client or router event, or with engine events (few): their events are
-        # aggregated; the others pair their client and router event by a join (ev_facts). An event's kind is
-        # its slot's pass, but a line json_logs read as a JSON array of events holds several: such a line's
-        # events are joined by the line, as ev_facts joins them.
-        f"""CREATE TEMP TABLE tev_multi AS
-           WITH dup AS (SELECT {REF} AS ref FROM ev WHERE text IS NOT NULL GROUP BY f, n HAVING count(*) > 1)
-           SELECT sid FROM (
+        # aggregated; the others pair their client and router event by a join (ev_facts). So are the turns of a
+        # line json_logs read as a JSON array of events (its events share the line's place; aggregated, a turn
+        # of one client and one router event gets the values the pair gives).
+        f"""CREATE TEMP TABLE tev_multi AS SELECT sid FROM (
              SELECT sid, CASE WHEN pass IN (1, 2) THEN 0 ELSE 1 END AS grp FROM ev_slot
-               WHERE {REF} NOT IN (SELECT ref FROM dup)
-             UNION ALL SELECT s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END FROM ev_slot s
-               JOIN ev e USING (f, n) WHERE {REF.replace('f', 's.f').replace('+ n', '+ s.n')} IN (SELECT ref FROM dup)
              UNION ALL SELECT sid, 2 FROM eng_slot) GROUP BY sid
            HAVING count(*) FILTER (WHERE grp = 0) > 1 OR count(*) FILTER (WHERE grp = 1) > 1
-             OR count(*) FILTER (WHERE grp >= 2) > 0""",
+             OR count(*) FILTER (WHERE grp >= 2) > 0
+           UNION ALL SELECT sid FROM ev_slot WHERE {REF} IN (
+             SELECT {REF} FROM ev WHERE text IS NOT NULL GROUP BY f, n HAVING count(*) > 1)""",
         # the events of those turns in the order the rules read them: client, router, P (each in file order), D
         f"""CREATE TEMP TABLE tev_r AS
            SELECT {cols}, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp, {_ev_order('e.source')} AS o
@@ -264,10 +261,12 @@ def _ev_facts_sql(cols: str) -> str:
     # the events of a paired turn straight from ev (tev_r holds only the aggregated turns' events)
     side = ("SELECT sid, {per_row}, outcome AS d_outcome, reason AS d_reason, failure_type AS d_ft, "
             "(f::BIGINT << 40) + n AS d_ref FROM (SELECT {cols}, s.sid, {grp} AS grp, {o} AS o "
-            "FROM (SELECT * FROM ev_slot WHERE sid NOT IN (SELECT sid FROM tev_multi)) s JOIN ev e USING (f, n) "
-            "WHERE e.source {op} 'client')")
-    c_side = side.format(per_row=per_row(0), cols=cols, grp=0, o=_ev_order("e.source"), op="=")
-    r_side = side.format(per_row=per_row(1), cols=cols, grp=1, o=_ev_order("e.source"), op="<>")
+            "FROM (SELECT * FROM ev_slot WHERE {kind} AND sid NOT IN (SELECT sid FROM tev_multi)) s "
+            "JOIN ev e USING (f, n) WHERE e.source {op} 'client')")
+    c_side = side.format(per_row=per_row(0), cols=cols, grp=0, o=_ev_order("e.source"), op="=",
+                         kind="pass IN (1, 2)")
+    r_side = side.format(per_row=per_row(1), cols=cols, grp=1, o=_ev_order("e.source"), op="<>",
+                         kind="(pass = 0 OR pass IS NULL)")
     # decider's choice for such a turn: the router's outcome unless unknown, else the client's
     dec = ("CASE WHEN r.r_first IS NOT NULL AND r.r_outcome <> 'unknown' THEN r.{d} "
            "WHEN c.c_first IS NOT NULL THEN c.{d} END")
