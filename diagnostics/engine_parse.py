@@ -123,13 +123,14 @@ _EVENT_SCHEMA: Final = "{" + ", ".join(f'"{n}": "{_event_type(n)}"' for n in FIE
 _STAT_KEYS: Final = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms", "input_num_turns",
                      "input_num_tokens", "output_num_tokens", "turn", "request_id")
 _STAT_SCHEMA: Final = "{" + ", ".join(f'"{k}": "JSON"' for k in _STAT_KEYS) + "}"
-_PAIRS: Final = tuple(f"{s}/{e}" for s, evs in EVENTS_BY_SOURCE.items() for e in evs)
 
 
 def _event_ok() -> str:
     """event_from_dict's rules, on the typed values (DuckDB coerces a quoted number; docs/design.md)."""
     checks = [f"j.v = {SCHEMA_VERSION}", "j.ts IS NOT NULL", "j.source IS NOT NULL", "j.event IS NOT NULL",
-              f"j.source || '/' || j.event IN ({_in(_PAIRS)})",
+              # (per source, not the pair's text: an IN over many strings is a join)
+              "CASE j.source " + " ".join(f"WHEN {sql_str(src)} THEN j.event IN ({_in(evs)})"
+                                         for src, evs in EVENTS_BY_SOURCE.items()) + " ELSE false END",
               f"coalesce(j.outcome IN ({_in(v.value for v in Verdict)}), true)",
               f"coalesce(j.status IN ({_in(STATUSES)}), true)",
               f"coalesce(j.trim_reason IN ({_in(r.value for r in TrimReason)}), true)",
@@ -170,8 +171,7 @@ def parse_json_sql() -> list[str]:
         # every JSON object typed by the event schema and its keys listed, in one pass over the lines (a copy of
         # their text for a second pass cost more than either parse). The key list is kept as its 64-bit hash (a
         # list or its JSON text per line costs as much as the parse); a NULL hash is a line that is no JSON
-        # object (TRY), one json_logs must read. Only an object without the three fields every event has can
-        # be a client statistic: those are typed by its schema too (NULL elsewhere).
+        # object (TRY), one json_logs must read.
         f"""CREATE TEMP TABLE ev AS SELECT f, n, NULL::VARCHAR AS text,
               {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
               CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
@@ -180,10 +180,8 @@ def parse_json_sql() -> list[str]:
                    THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
                    THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
-              k, {_event_ok()} AS ok,
-              CASE WHEN k IS NOT NULL AND (j.v IS NULL OR j.source IS NULL OR j.event IS NULL)
-                   THEN from_json(t, '{_STAT_SCHEMA}') END AS s
-            FROM (SELECT f, n, k, t, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
+              k, {_event_ok()} AS ok
+            FROM (SELECT f, n, k, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
                   FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k
                         FROM (SELECT f, n, {t} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''))""",
         # the key lists are few: each is checked once, on the first line that has it (rows of ev that are no
@@ -198,6 +196,8 @@ def parse_json_sql() -> list[str]:
         """CREATE TEMP TABLE json_odd AS
             SELECT l.f, l.n, l.line FROM lines_json l JOIN (SELECT e.f, e.n FROM ev e LEFT JOIN jk USING (k)
               WHERE e.k IS NULL OR (jk.is_event AND NOT (jk.known AND e.ok))) b USING (f, n)""",
+        # the other objects' lines typed as client statistics (the CASE on the joined side keeps the parse after
+        # the join: the filter on its result was pushed below it, onto every line)
         f"""CREATE TEMP TABLE cs AS SELECT f, n, NULL::VARCHAR AS text,
               CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
                    ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
@@ -206,13 +206,14 @@ def parse_json_sql() -> list[str]:
               {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
               CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub
-            FROM (SELECT e.f, e.n, e.s FROM ev e JOIN jk USING (k) WHERE NOT jk.is_event)
+            FROM (SELECT l.f, l.n, from_json(CASE WHEN o.stat THEN {t} END, '{_STAT_SCHEMA}') AS s FROM lines_json l
+                  JOIN (SELECT e.f, e.n, NOT jk.is_event AS stat FROM ev e JOIN jk USING (k) WHERE NOT jk.is_event) o
+                  USING (f, n))
             WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
         # what stays is the events the checks vouch for (a NULL check keeps its row, as before)
         """DELETE FROM ev WHERE k IS NULL OR k IN (SELECT k FROM jk WHERE NOT (is_event AND known)) OR NOT ok""",
         "ALTER TABLE ev DROP COLUMN ok",
         "ALTER TABLE ev DROP COLUMN k",
-        "ALTER TABLE ev DROP COLUMN s",
     ]
 
 
