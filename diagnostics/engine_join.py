@@ -71,7 +71,7 @@ def join_sql(only: str | None) -> list[str]:
         # pord orders them by (pass, file, line) as one number, for up to 2M files of 2^40 lines (only its order
         # is read: a row_number() over every event would sort them all)
         f"""CREATE TEMP TABLE tev AS SELECT *, (pass::BIGINT << 61) + (f::BIGINT << 40) + n AS pord FROM (
-              SELECT f, n, source, request_id, cconv, turn, ts, CASE WHEN source = 'router' THEN 0
+              SELECT f, n, request_id, cconv, turn, ts, CASE WHEN source = 'router' THEN 0
                 WHEN request_id IN (SELECT request_id FROM ev WHERE source = 'router' AND request_id IS NOT NULL)
                 THEN 1 ELSE 2 END AS pass
               FROM ev WHERE source IN ('router', 'client') AND cconv IS NOT NULL AND turn IS NOT NULL
