@@ -9,6 +9,7 @@ evidence's ``file:line`` and text are looked up only for the turns explain print
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from kvdiag.diagnostics.engine_parse import VLLM_TEXT, sql_str
@@ -48,36 +49,45 @@ def facts_sql() -> list[str]:
     """The statements that build ``turn_facts`` (after engine_join)."""
     cols = ", ".join(f"e.{c}" for c in _TEV_COLUMNS)
     return [
-        # a turn's events in the order the rules read them: client, router, P (each in file order), D
+        # turns with more than one client or router event, or with engine events (few): their events are
+        # aggregated; the others pair their client and router event by a join (ev_facts). So are the turns of a
+        # line json_logs read as a JSON array of events (its events share the line's place; aggregated, a turn
+        # of one client and one router event gets the values the pair gives).
+        f"""CREATE TEMP TABLE tev_multi AS SELECT sid FROM (
+             SELECT sid, CASE WHEN pass IN (1, 2) THEN 0 ELSE 1 END AS grp FROM ev_slot
+             UNION ALL SELECT sid, 2 FROM eng_slot) GROUP BY sid
+           HAVING count(*) FILTER (WHERE grp = 0) > 1 OR count(*) FILTER (WHERE grp = 1) > 1
+             OR count(*) FILTER (WHERE grp >= 2) > 0
+           UNION ALL SELECT sid FROM ev_slot WHERE {REF} IN (
+             SELECT {REF} FROM ev WHERE text IS NOT NULL GROUP BY f, n HAVING count(*) > 1)""",
+        # the events of those turns in the order the rules read them: client, router, P (each in file order), D
         f"""CREATE TEMP TABLE tev_r AS
-           SELECT {cols}, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp,
-             (CASE e.source WHEN 'client' THEN 0 ELSE 1 END::BIGINT << 58) + (coalesce(s.pass, 3)::BIGINT << 54)
-               + {REF.replace('f', 'e.f').replace('+ n', '+ e.n')} AS o
-           FROM ev_slot s JOIN ev e USING (f, n)
+           SELECT {cols}, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp, {_ev_order('e.source')} AS o
+           FROM ev_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)
            UNION ALL SELECT {cols}, s.sid, CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END,
              (CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END::BIGINT << 58) + {REF.replace('f', 'e.f').replace(
                  '+ n', '+ e.n')}
-           FROM eng_slot s JOIN ev e USING (f, n)""",
-        # turns with more than one client or router event, or with engine events (few): aggregated; the others
-        # pair their client and router event by a join (35 FILTERed aggregates per turn cost several seconds)
-        """CREATE TEMP TABLE tev_multi AS SELECT sid FROM tev_r GROUP BY sid
-           HAVING count(*) FILTER (WHERE grp = 0) > 1 OR count(*) FILTER (WHERE grp = 1) > 1
-             OR count(*) FILTER (WHERE grp >= 2) > 0""",
-        _ev_facts_sql(),
+           FROM eng_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)""",
+        _ev_facts_sql(cols),
+        # the deciding event: a paired turn's is in ev_facts already (its dec_ columns, dropped after)
         f"""CREATE TEMP TABLE decider AS
            WITH pick AS (SELECT sid, eng_os, CASE
                WHEN r_first IS NOT NULL AND r_inferred AND p_known IS NOT NULL THEN p_known
                WHEN r_first IS NOT NULL AND r_outcome <> 'unknown' THEN r_first
                WHEN p_first IS NOT NULL AND p_first = p_known THEN p_first
                WHEN c_first IS NOT NULL THEN c_first END AS dec_o FROM ev_facts
-             WHERE r_first IS NOT NULL OR p_first IS NOT NULL OR c_first IS NOT NULL)
+             WHERE (r_first IS NOT NULL OR p_first IS NOT NULL OR c_first IS NOT NULL)
+               AND sid IN (SELECT sid FROM tev_multi))
            SELECT p.sid, t.outcome AS dec_verdict, t.reason AS dec_reason, t.failure_type AS dec_ft,
              starts_with(coalesce(t.reason, ''), 'inferred') AS dec_inferred,
              {REF.replace('f', 't.f').replace('+ n', '+ t.n')} AS dec_ref,
              list_transform(list_filter(p.eng_os, lambda x: x <> p.dec_o)[1:3],
                             lambda x: x & ((1::BIGINT << 54) - 1)) AS eng_refs
            FROM pick p JOIN tev_r t ON t.sid = p.sid AND t.o = p.dec_o
-           WHERE t.outcome IS NOT NULL AND t.outcome <> 'unknown'""",
+           WHERE t.outcome IS NOT NULL AND t.outcome <> 'unknown'
+           UNION ALL SELECT sid, dec_verdict, dec_reason, dec_ft, starts_with(coalesce(dec_reason, ''), 'inferred'),
+             dec_ref, NULL::BIGINT[] FROM ev_facts WHERE dec_verdict <> 'unknown'""",
+        *(f"ALTER TABLE ev_facts DROP COLUMN {c}" for c in _DEC_COLUMNS),
         # ---- the proxy's request: its lines in order (the HIT/stale/history line it took first)
         """CREATE TEMP TABLE px_lines AS
            SELECT p.sid, 0 AS lo, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p
@@ -158,7 +168,28 @@ def _ev_fact_specs() -> list[tuple[str, str, str, str]]:
     ]
 
 
-def _ev_facts_sql() -> str:
+_GRP_TEST: Final = re.compile(r"grp (=|<|IN) (\d|\([0-9, ]+\))")
+
+
+def _grp_holds(where: str, grp: int) -> bool:
+    """Whether an ev_facts condition (it starts with a test of ``grp``) can hold for an event of group grp."""
+    m = _GRP_TEST.match(where)
+    assert m is not None, where
+    values = [int(x) for x in m.group(2).strip("()").split(",")]
+    return grp in values if m.group(1) != "<" else grp < values[0]
+
+
+def _ev_order(source: str) -> str:
+    # a client or router event's place among its turn's events (P's and D's follow)
+    grp = f"CASE {source} WHEN 'client' THEN 0 ELSE 1 END"
+    return f"({grp}::BIGINT << 58) + (coalesce(s.pass, 3)::BIGINT << 54) + ((e.f::BIGINT << 40) + e.n)"
+
+
+# a paired turn's deciding event (its outcome, reason, failure type, ref): ev_facts carries them for decider
+_DEC_COLUMNS: Final = ("dec_verdict", "dec_reason", "dec_ft", "dec_ref")
+
+
+def _ev_facts_sql(cols: str) -> str:
     """``ev_facts``: aggregated over the events of the turns in ``tev_multi``; for every other turn (at most one
     client and one router event) the client's row joined to the router's, which gives the same values: the
     client's event comes first in ``o``, and arg_min/arg_max skip NULL values as the CASE below does."""
@@ -166,21 +197,44 @@ def _ev_facts_sql() -> str:
     agg = {"first": "arg_min({v}, o) FILTER (WHERE {w})", "last": "arg_max({v}, o) FILTER (WHERE {w})",
            "any": "bool_or({w})"}
     aggregated = ",\n  ".join(agg[how].format(v=v, w=w) + f" AS {c}" for c, how, v, w in specs)
-    per_row = ", ".join(f"{w} AS {c}" if how == "any" else f"CASE WHEN {w} THEN {v} END AS {c}"
-                        for c, how, v, w in specs)
-    pair = {"first": "coalesce(c.{c}, r.{c})", "last": "coalesce(r.{c}, c.{c})",
+
+    def per_row(grp: int) -> str:
+        # a side carries only the columns its events can set (the others are NULL, or false: pair_value)
+        return ", ".join(f"{w} AS {c}" if how == "any" else f"CASE WHEN {w} THEN {v} END AS {c}"
+                         for c, how, v, w in specs if _grp_holds(w, grp))
+
+    def pair_value(side: str, grp: int, c: str, how: str, w: str) -> str:
+        if _grp_holds(w, grp):
+            return f"{side}.{c}"
+        return f"CASE WHEN {side}.sid IS NOT NULL THEN false END" if how == "any" else "NULL"
+
+    pair = {"first": "coalesce({c}, {r})", "last": "coalesce({r}, {c})",
             # bool_or: NULL when no row says true or false
-            "any": "CASE WHEN c.{c} IS NOT NULL OR r.{c} IS NOT NULL THEN coalesce(c.{c}, false) "
-                   "OR coalesce(r.{c}, false) END"}
-    paired = ",\n  ".join(pair[how].format(c=c) + f" AS {c}" for c, how, _v, _w in specs)
+            "any": "CASE WHEN {c} IS NOT NULL OR {r} IS NOT NULL THEN coalesce({c}, false) OR coalesce({r}, false) END"}
+    paired = ",\n  ".join(pair[how].format(c=pair_value("c", 0, c, how, w), r=pair_value("r", 1, c, how, w))
+                           + f" AS {c}" for c, how, _v, w in specs)
+    # the events of a paired turn straight from ev (tev_r holds only the aggregated turns' events)
+    side = ("SELECT sid, {per_row}, outcome AS d_outcome, reason AS d_reason, failure_type AS d_ft, "
+            "(f::BIGINT << 40) + n AS d_ref FROM (SELECT {cols}, s.sid, {grp} AS grp, {o} AS o "
+            "FROM (SELECT * FROM ev_slot WHERE {kind} AND sid NOT IN (SELECT sid FROM tev_multi)) s "
+            "JOIN ev e USING (f, n) WHERE e.source {op} 'client')")
+    c_side = side.format(per_row=per_row(0), cols=cols, grp=0, o=_ev_order("e.source"), op="=",
+                         kind="pass IN (1, 2)")
+    r_side = side.format(per_row=per_row(1), cols=cols, grp=1, o=_ev_order("e.source"), op="<>",
+                         kind="(pass = 0 OR pass IS NULL)")
+    # decider's choice for such a turn: the router's outcome unless unknown, else the client's
+    dec = ("CASE WHEN r.r_first IS NOT NULL AND r.r_outcome <> 'unknown' THEN r.{d} "
+           "WHEN c.c_first IS NOT NULL THEN c.{d} END")
+    decs = ", ".join(dec.format(d=d) + f" AS {c}" for d, c in zip(("d_outcome", "d_reason", "d_ft", "d_ref"),
+                                                                    _DEC_COLUMNS, strict=True))
     return f"""CREATE TEMP TABLE ev_facts AS
-      WITH c AS (SELECT sid, {per_row} FROM tev_r WHERE grp = 0 AND sid NOT IN (SELECT sid FROM tev_multi)),
-      r AS (SELECT sid, {per_row} FROM tev_r WHERE grp = 1 AND sid NOT IN (SELECT sid FROM tev_multi))
-      SELECT coalesce(c.sid, r.sid) AS sid, true AS has_events, {paired}, NULL::BIGINT[] AS eng_os
+      WITH c AS ({c_side}), r AS ({r_side})
+      SELECT coalesce(c.sid, r.sid) AS sid, true AS has_events, {paired}, NULL::BIGINT[] AS eng_os, {decs}
       FROM c FULL JOIN r ON c.sid = r.sid
       UNION ALL SELECT sid, count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events, {aggregated},
-        (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os
-      FROM tev_r WHERE sid IN (SELECT sid FROM tev_multi) GROUP BY sid"""
+        (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os,
+        NULL::VARCHAR, NULL::VARCHAR, NULL::VARCHAR, NULL::BIGINT
+      FROM tev_r GROUP BY sid"""
 
 
 def _vl_fact_specs() -> list[tuple[str, str, str, str, str]]:

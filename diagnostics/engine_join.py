@@ -71,31 +71,37 @@ def join_sql(only: str | None) -> list[str]:
         # pord orders them by (pass, file, line) as one number, for up to 2M files of 2^40 lines (only its order
         # is read: a row_number() over every event would sort them all)
         f"""CREATE TEMP TABLE tev AS SELECT *, (pass::BIGINT << 61) + (f::BIGINT << 40) + n AS pord FROM (
-              SELECT f, n, source, request_id, cconv, turn, ts, CASE WHEN source = 'router' THEN 0
+              SELECT f, n, request_id, cconv, turn, ts, CASE WHEN source = 'router' THEN 0
                 WHEN request_id IN (SELECT request_id FROM ev WHERE source = 'router' AND request_id IS NOT NULL)
                 THEN 1 ELSE 2 END AS pass
               FROM ev WHERE source IN ('router', 'client') AND cconv IS NOT NULL AND turn IS NOT NULL
                 AND {only_sql})""",
+        # slots made by events: one per request id (its first event's conversation and turn), one per
+        # conversation and number for events without a request id. The ids router events have come first
+        # (a client event that joins one comes later in pord); the other client events' ids are none of those.
+        """CREATE TEMP TABLE slot_src AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
+             arg_min(turn, pord) AS turn, min(pord) AS ord, 0 AS stage, bool_or(pass = 0) AS routed,
+             bool_or(pass = 1) AS answered FROM tev WHERE pass < 2 AND request_id IS NOT NULL GROUP BY request_id""",
         # a router-only turn of a conversation and number takes the first other client event of it
-        """CREATE TEMP TABLE rid_first AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
-             arg_min(turn, pord) AS turn, min(pord) AS pord FROM tev WHERE pass < 2 AND request_id IS NOT NULL
-           GROUP BY request_id""",
-        """CREATE TEMP TABLE lone AS SELECT r.conv, r.turn, min(r.rid) AS rid FROM rid_first r
-           WHERE EXISTS (SELECT 1 FROM tev WHERE tev.request_id = r.rid AND tev.pass = 0)
-             AND NOT EXISTS (SELECT 1 FROM tev WHERE tev.request_id = r.rid AND tev.pass = 1)
-           GROUP BY r.conv, r.turn HAVING count(*) = 1""",
+        """CREATE TEMP TABLE lone AS SELECT conv, turn, min(rid) AS rid FROM slot_src WHERE routed AND NOT answered
+           GROUP BY conv, turn HAVING count(*) = 1""",
         """CREATE TEMP TABLE lone_taken AS SELECT t.f, t.n, l.rid FROM (
              SELECT f, n, cconv, turn, row_number() OVER (PARTITION BY cconv, turn ORDER BY pord) AS k FROM tev
              WHERE pass = 2) t JOIN lone l ON l.conv = t.cconv AND l.turn = t.turn WHERE t.k = 1""",
-        # slots made by events: one per request id (its first event's conversation and turn), one per
-        # conversation and number for events without a request id
         """CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord, t.pass, t.ts,
              CASE WHEN lt.rid IS NOT NULL THEN lt.rid ELSE t.request_id END AS rid, t.cconv, t.turn
            FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n""",
-        """CREATE TEMP TABLE slot_src AS
-           SELECT rid, arg_min(cconv, pord) AS conv, arg_min(turn, pord) AS turn, min(pord) AS ord, 0 AS stage
-             FROM ev_slot_key WHERE rid IS NOT NULL GROUP BY rid
-           UNION ALL SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL GROUP BY cconv, turn""",
+        "ALTER TABLE slot_src DROP COLUMN routed",
+        "ALTER TABLE slot_src DROP COLUMN answered",
+        # (unless a line json_logs read as an array of events holds a router or client event with one a lone turn
+        # takes: then the key of each such event is the one taken, and the slots are counted from the keys)
+        """DELETE FROM slot_src WHERE EXISTS (SELECT 1 FROM tev t JOIN lone_taken lt USING (f, n) WHERE t.pass < 2)""",
+        """INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), min(pord), 0 FROM ev_slot_key
+           WHERE pass < 2 AND rid IS NOT NULL AND NOT EXISTS (SELECT 1 FROM slot_src) GROUP BY rid""",
+        """INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), min(pord), 0 FROM ev_slot_key
+           WHERE pass = 2 AND rid IS NOT NULL AND rid NOT IN (SELECT rid FROM slot_src) GROUP BY rid""",
+        """INSERT INTO slot_src SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL
+           GROUP BY cconv, turn""",
         # router events without a conversation or turn join by the request id
         """CREATE TEMP TABLE ev_rid_only AS SELECT f, n, request_id AS rid FROM ev
            WHERE source = 'router' AND (cconv IS NULL OR turn IS NULL) AND request_id IN
@@ -142,12 +148,14 @@ def join_sql(only: str | None) -> list[str]:
            UNION ALL SELECT f, n, sub, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
              AND s.turn = a.nturn) FROM a WHERE sid IS NULL""",
         # ---- 4. engine events: by request id (header or engine id), else their conversation and turn
-        """CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.source, coalesce(
-              (SELECT sid FROM by_rid WHERE rid = e.request_id),
-              (SELECT sid FROM by_rid WHERE rid = hrid(e.request_id)),
-              (SELECT sid FROM by_rid WHERE rid = e.engine_request_id),
-              (SELECT sid FROM by_rid WHERE rid = hrid(e.engine_request_id))) AS sid, e.cconv, e.turn
-            FROM ev e WHERE e.source IN ('prefill', 'decode')""",
+        # (joins, not scalar subqueries: those checked every id of by_rid for a second slot, even with no engine
+        # events; an id an event names has one slot, or those subqueries failed)
+        """CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.source, coalesce(b1.sid, b2.sid, b3.sid, b4.sid) AS sid,
+              e.cconv, e.turn
+            FROM ev e LEFT JOIN by_rid b1 ON b1.rid = e.request_id LEFT JOIN by_rid b2 ON b2.rid = hrid(e.request_id)
+              LEFT JOIN by_rid b3 ON b3.rid = e.engine_request_id
+              LEFT JOIN by_rid b4 ON b4.rid = hrid(e.engine_request_id)
+            WHERE e.source IN ('prefill', 'decode')""",
         f"""CREATE TEMP TABLE eng_new AS SELECT DISTINCT cconv AS conv, turn FROM eng_ev
             WHERE sid IS NULL AND cconv IS NOT NULL AND turn IS NOT NULL AND {only_sql}
               AND NOT EXISTS (SELECT 1 FROM slots s WHERE s.rid IS NULL AND s.conv = eng_ev.cconv

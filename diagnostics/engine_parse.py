@@ -123,13 +123,14 @@ _EVENT_SCHEMA: Final = "{" + ", ".join(f'"{n}": "{_event_type(n)}"' for n in FIE
 _STAT_KEYS: Final = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms", "input_num_turns",
                      "input_num_tokens", "output_num_tokens", "turn", "request_id")
 _STAT_SCHEMA: Final = "{" + ", ".join(f'"{k}": "JSON"' for k in _STAT_KEYS) + "}"
-_PAIRS: Final = tuple(f"{s}/{e}" for s, evs in EVENTS_BY_SOURCE.items() for e in evs)
 
 
 def _event_ok() -> str:
     """event_from_dict's rules, on the typed values (DuckDB coerces a quoted number; docs/design.md)."""
     checks = [f"j.v = {SCHEMA_VERSION}", "j.ts IS NOT NULL", "j.source IS NOT NULL", "j.event IS NOT NULL",
-              f"j.source || '/' || j.event IN ({_in(_PAIRS)})",
+              # (per source, not the pair's text: an IN over many strings is a join)
+              "CASE j.source " + " ".join(f"WHEN {sql_str(src)} THEN j.event IN ({_in(evs)})"
+                                         for src, evs in EVENTS_BY_SOURCE.items()) + " ELSE false END",
               f"coalesce(j.outcome IN ({_in(v.value for v in Verdict)}), true)",
               f"coalesce(j.status IN ({_in(STATUSES)}), true)",
               f"coalesce(j.trim_reason IN ({_in(r.value for r in TrimReason)}), true)",
@@ -165,19 +166,12 @@ _RTRIM_EOL: Final = ("CASE WHEN ends_with(line, chr(13)) OR ends_with(line, chr(
 def parse_json_sql() -> list[str]:
     """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read."""
     keys = _in(FIELD_NAMES)
+    t = _trimmed("line")
     return [
-        # each line checked and its keys listed in one JSON parse (TRY: NULL where the line is no JSON object),
-        # the list as its JSON text: one string per line hashes and compares several times faster than a list
-        # of strings. A NULL key list is a line json_logs must read.
-        f"""CREATE TEMP TABLE jobj AS SELECT f, n, t,
-              CASE WHEN starts_with(t, '{{') THEN TRY(to_json(json_keys(t))::VARCHAR) END AS k
-            FROM (SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''""",
-        # the key lists are few: check each once
-        f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(kl, 'v') AND list_contains(kl, 'source')
-              AND list_contains(kl, 'event') AS is_event, list_has_all([{keys}], kl) AS known
-            FROM (SELECT k, from_json(k, '["VARCHAR"]') AS kl
-                  FROM (SELECT DISTINCT k FROM jobj WHERE k IS NOT NULL))""",
-        # (no text column: evidence is looked up on the lines, for the turns explain prints)
+        # every JSON object typed by the event schema and its keys listed, in one pass over the lines (a copy of
+        # their text for a second pass cost more than either parse). The key list is kept as its 64-bit hash (a
+        # list or its JSON text per line costs as much as the parse); a NULL hash is a line that is no JSON
+        # object (TRY), one json_logs must read.
         f"""CREATE TEMP TABLE ev AS SELECT f, n, NULL::VARCHAR AS text,
               {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
               CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
@@ -186,16 +180,24 @@ def parse_json_sql() -> list[str]:
                    THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
                    THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
-              jk.known AND {_event_ok()} AS ok
-            FROM (SELECT o.f, o.n, o.k, from_json(o.t, '{_EVENT_SCHEMA}') AS j FROM jobj o WHERE o.k IS NOT NULL) x
-            JOIN jk USING (k) WHERE jk.is_event""",
+              k, {_event_ok()} AS ok
+            FROM (SELECT f, n, k, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
+                  FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k
+                        FROM (SELECT f, n, {t} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''))""",
+        # the key lists are few: each is checked once, on the first line that has it (rows of ev that are no
+        # vouched-for event are deleted below)
+        f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(kl, 'v') AND list_contains(kl, 'source')
+              AND list_contains(kl, 'event') AS is_event, list_has_all([{keys}], kl) AS known
+            FROM (SELECT r.k, json_keys({t}) AS kl FROM (SELECT k, min((f::BIGINT << 40) + n) AS ref FROM ev
+                  WHERE k IS NOT NULL GROUP BY k) r
+                  JOIN lines_json l ON l.f = (r.ref >> 40)::INTEGER AND l.n = r.ref & ((1::BIGINT << 40) - 1))""",
         # everything else json_logs reads itself: not an object, an event the checks reject (the few such
         # lines are looked up, not the many good ones anti-joined)
         """CREATE TEMP TABLE json_odd AS
-            SELECT l.f, l.n, l.line FROM lines_json l JOIN ((SELECT f, n FROM jobj WHERE k IS NULL) UNION ALL
-              (SELECT f, n FROM ev WHERE NOT ok)) b USING (f, n)""",
-        "DELETE FROM ev WHERE NOT ok",
-        "ALTER TABLE ev DROP COLUMN ok",
+            SELECT l.f, l.n, l.line FROM lines_json l JOIN (SELECT e.f, e.n FROM ev e LEFT JOIN jk USING (k)
+              WHERE e.k IS NULL OR (jk.is_event AND NOT (jk.known AND e.ok))) b USING (f, n)""",
+        # the other objects' lines typed as client statistics (the CASE on the joined side keeps the parse after
+        # the join: the filter on its result was pushed below it, onto every line)
         f"""CREATE TEMP TABLE cs AS SELECT f, n, NULL::VARCHAR AS text,
               CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
                    ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
@@ -204,10 +206,14 @@ def parse_json_sql() -> list[str]:
               {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
               CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub
-            FROM (SELECT o.f, o.n, o.t, from_json(o.t, '{_STAT_SCHEMA}') AS s FROM jobj o
-                  JOIN jk USING (k) WHERE o.k IS NOT NULL AND NOT jk.is_event)
+            FROM (SELECT l.f, l.n, from_json(CASE WHEN o.stat THEN {t} END, '{_STAT_SCHEMA}') AS s FROM lines_json l
+                  JOIN (SELECT e.f, e.n, NOT jk.is_event AS stat FROM ev e JOIN jk USING (k) WHERE NOT jk.is_event) o
+                  USING (f, n))
             WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
-        "DROP TABLE jobj",
+        # what stays is the events the checks vouch for (a NULL check keeps its row, as before)
+        """DELETE FROM ev WHERE k IS NULL OR k IN (SELECT k FROM jk WHERE NOT (is_event AND known)) OR NOT ok""",
+        "ALTER TABLE ev DROP COLUMN ok",
+        "ALTER TABLE ev DROP COLUMN k",
     ]
 
 
