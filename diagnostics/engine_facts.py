@@ -78,38 +78,15 @@ def facts_sql() -> list[str]:
                             lambda x: x & ((1::BIGINT << 54) - 1)) AS eng_refs
            FROM pick p JOIN tev_r t ON t.sid = p.sid AND t.o = p.dec_o
            WHERE t.outcome IS NOT NULL AND t.outcome <> 'unknown'""",
-        # ---- the proxy's request: its lines in order (the HIT/stale/history line it took first)
-        """CREATE TEMP TABLE px_lines AS
-           SELECT p.sid, 0 AS lo, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p
-             JOIN pl l ON l.f = p.head_f AND l.n = p.head_n
-           UNION ALL SELECT p.sid, l.seq, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p JOIN pl l
-             ON l.rid = p.rid AND l.kind NOT IN ('cached', 'ready') AND l.seq >= p.seq
-           UNION ALL SELECT p.sid, l.seq, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p JOIN pl l
-             ON l.kind = 'cached' AND hrid(l.remote) = p.rid AND l.seq > p.seq
-           UNION ALL SELECT p.sid, l.seq, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p
-             JOIN px_not_cached nc ON nc.rid = p.rid JOIN pl l ON l.f = nc.f AND l.n = nc.n AND l.rid IS NULL""",
-        f"""CREATE TEMP TABLE px_facts AS
-            WITH a AS (SELECT sid, arg_min({REF}, lo) AS px_first, arg_max({REF}, lo) AS px_last,
-                         arg_max(f, lo) AS px_last_f, arg_min(ts, lo) AS px_first_ts,
-                         {_first(REF, 'lo', "kind = 'sending'")} AS px_sending,
-                         {_first(REF, 'lo', "kind IN ('miss', 'no_handle')")} AS px_miss,
-                         {_first('TRY_CAST(ms AS DOUBLE)', 'lo', "kind = 'prefill_done'")} AS px_prefill_ms,
-                         bool_or(kind = 'prefill_done') AS px_done,
-                         {_first("left(replace(kind, '_', ' ') || ': ' || coalesce(detail, ''), 200)", 'lo',
-                                 "kind IN ('prefill_failed', 'decode_failed')")} AS px_failed_why,
-                         {_first(REF, 'lo', "kind IN ('prefill_failed', 'decode_failed')")} AS px_failed_ref
-                       FROM px_lines GROUP BY sid)
-            SELECT p.sid, p.rid AS px_rid, p.seq AS px_seq, p.lookup AS px_lookup, p.stored_seq,
-              p.head_age AS px_age, p.head_ttl AS px_ttl, a.* EXCLUDE (sid),
-              CASE p.withheld WHEN 'head' THEN (p.head_f::BIGINT << 40) + p.head_n
-                              WHEN 'line' THEN (p.def_f::BIGINT << 40) + p.def_n END AS px_withheld,
-              CASE p.withheld WHEN 'head' THEN hl.why WHEN 'line' THEN dl.why END AS px_withheld_why,
-              (p.stored_f::BIGINT << 40) + p.stored_n AS px_stored,
-              (nc.f::BIGINT << 40) + nc.n AS px_not_stored, nc.why AS px_not_stored_why, p.offered AS px_offered
-            FROM px_slot p JOIN a USING (sid)
-            LEFT JOIN pl hl ON p.withheld = 'head' AND hl.f = p.head_f AND hl.n = p.head_n
-            LEFT JOIN pl dl ON p.withheld = 'line' AND dl.f = p.def_f AND dl.n = p.def_n
-            LEFT JOIN px_not_cached nc ON nc.rid = p.rid""",
+        # ---- the proxy's request (engine_join folds its lines into px_slot; a line's place is its ref)
+        """CREATE TEMP VIEW px_facts AS
+            SELECT sid, rid AS px_rid, seq AS px_seq, lookup AS px_lookup, stored_seq, head_age AS px_age,
+              head_ttl AS px_ttl, first_ref AS px_first, last_ref AS px_last, (last_ref >> 40)::INTEGER AS px_last_f,
+              first_ts AS px_first_ts, sending AS px_sending, miss AS px_miss, prefill_ms AS px_prefill_ms,
+              done AS px_done, failed_why AS px_failed_why, failed_ref AS px_failed_ref, withheld AS px_withheld,
+              withheld_why AS px_withheld_why, stored_seq AS px_stored, not_stored AS px_not_stored,
+              not_stored_why AS px_not_stored_why, offered AS px_offered
+            FROM px_slot""",
         # ---- P's, D's and other engines' lines of the request
         f"""CREATE TEMP TABLE vl_in AS SELECT s.sid, s.grp, v.f, v.n, v.kind, v.ctx_request_id, v.failure_type,
               v.remote_tokens, v.threshold, v.local_blocks, v.remote_blocks, v.why, v.finish_reason,
