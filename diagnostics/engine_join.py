@@ -102,19 +102,20 @@ def join_sql(only: str | None) -> list[str]:
              (SELECT rid FROM slot_src WHERE rid IS NOT NULL)""",
         # ---- 2. the proxy's requests
         *_proxy_requests_sql(only_sql),
-        # the k-th request of a conversation no event names is turn k, unless an event holds that number
+        # the k-th request of a conversation no event names is turn k, unless an event holds that number (only
+        # those that clash are numbered after the last turn)
         """CREATE TEMP TABLE px_new AS
            WITH q AS (SELECT rid, conv, seq, row_number() OVER (PARTITION BY conv ORDER BY seq) AS k FROM px_req
                       WHERE conv IS NOT NULL),
            taken AS (SELECT conv, turn FROM slot_src WHERE rid IS NOT NULL),
-           fresh AS (SELECT q.* FROM q WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL)),
-           pick AS (SELECT fresh.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = fresh.conv AND t.turn = fresh.k)
-                      AS clash FROM fresh)
-           SELECT rid, conv, seq, CASE WHEN NOT clash THEN k ELSE
-               greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = pick.conv), 0),
-                        coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = pick.conv AND NOT p2.clash), 0))
-               + row_number() OVER (PARTITION BY conv, clash ORDER BY seq) END AS turn
-           FROM pick""",
+           pick AS (SELECT q.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = q.conv AND t.turn = q.k) AS clash FROM q
+                    WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL))
+           SELECT rid, conv, seq, k AS turn FROM pick WHERE NOT clash
+           UNION ALL SELECT rid, conv, seq,
+               greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = c.conv), 0),
+                        coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = c.conv AND NOT p2.clash), 0))
+               + row_number() OVER (PARTITION BY conv ORDER BY seq)
+           FROM pick c WHERE clash""",
         """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + seq, 1 FROM px_new""",
         # ---- 3. client statistics
         *_stats_sql(only),
