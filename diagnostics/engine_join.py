@@ -208,17 +208,12 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
               SELECT seq, kind, cconv, rid, remote, why, lag(seq) OVER (PARTITION BY cconv ORDER BY seq) AS head_seq
               FROM pl WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL)
             WHERE {defining} AND rid IS NOT NULL""",
-        # one pass over the lines of each request: those naming its id (the first is where it starts, the last
-        # defining one decides its lookup, as correlate overwrites it) and the "cached D blocks" lines naming
-        # it as their remote request (the last, if after its start, stored its handle); then the defining
-        # line's head
+        # one pass over the lines naming each request's id (the first is where it starts, the last defining one
+        # decides its lookup, as correlate overwrites it); the last "cached D blocks" line naming it as its
+        # remote request (if after its start, it stored its handle); the defining line's head
         f"""CREATE TEMP TABLE px_req AS
-            WITH r AS (SELECT CASE WHEN kind = 'cached' THEN hrid(remote) ELSE rid END AS rid,
-                         min(seq) FILTER (WHERE kind <> 'cached') AS seq,
-                         max(seq) FILTER (WHERE kind <> 'cached') AS last_seq,
-                         max(seq) FILTER (WHERE kind = 'cached') AS cached_seq,
+            WITH r AS (SELECT rid, min(seq) AS seq, max(seq) AS last_seq, arg_min(ts, seq) AS first_ts,
                          max(seq) FILTER (WHERE {defining}) AS def_seq,
-                         arg_min(ts, seq) FILTER (WHERE kind <> 'cached') AS first_ts,
                          min(seq) FILTER (WHERE kind = 'sending') AS sending,
                          min(seq) FILTER (WHERE kind IN ('miss', 'no_handle')) AS miss,
                          arg_min(TRY_CAST(ms AS DOUBLE), seq) FILTER (WHERE kind = 'prefill_done') AS prefill_ms,
@@ -227,8 +222,8 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
                                  200) END, seq) FILTER (WHERE {failed}) AS failed_why,
                          min(seq) FILTER (WHERE {failed}) AS failed_ref,
                          bool_or(kind = 'no_conversation_id') AS no_conv
-                       FROM pl WHERE (rid IS NOT NULL AND kind NOT IN ('cached', 'ready')) OR kind = 'cached'
-                       GROUP BY 1 HAVING min(seq) FILTER (WHERE kind <> 'cached') IS NOT NULL)
+                       FROM pl WHERE rid IS NOT NULL AND kind NOT IN ('cached', 'ready') GROUP BY rid),
+            cached AS (SELECT hrid(remote) AS rid, max(seq) AS seq FROM pl WHERE kind = 'cached' GROUP BY 1)
             SELECT r.rid, d.cconv AS conv, r.seq,
               CASE WHEN d.kind = 'sending' THEN 'hit'
                    WHEN d.kind IS NOT NULL AND h.kind = 'stale' THEN 'stale'
@@ -243,9 +238,9 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
                    THEN 'head' WHEN d.kind = 'miss' AND d.why IS NOT NULL THEN 'line' END AS withheld,
               CASE WHEN d.kind IN ('miss', 'no_handle') AND h.kind = 'miss_head' AND h.why IS NOT NULL
                    THEN h.why WHEN d.kind = 'miss' AND d.why IS NOT NULL THEN d.why END AS withheld_why,
-              CASE WHEN r.cached_seq > r.seq THEN r.cached_seq END AS stored_seq,
+              CASE WHEN c.seq > r.seq THEN c.seq END AS stored_seq,
               r.first_ts, r.last_seq, r.sending, r.miss, r.prefill_ms, r.done, r.failed_why, r.failed_ref
-            FROM r LEFT JOIN px_def d ON d.seq = r.def_seq
+            FROM r LEFT JOIN cached c ON c.rid = r.rid LEFT JOIN px_def d ON d.seq = r.def_seq
             LEFT JOIN pl h ON h.seq = d.head_seq AND h.kind IN ('hit', 'stale', 'miss_head')
             WHERE d.cconv IS NULL OR {only_sql.replace('cconv', 'd.cconv')}""",
         # "not caching D blocks": the request it names, else (by_conv) its conversation's latest request before it
