@@ -78,15 +78,19 @@ def facts_sql() -> list[str]:
                             lambda x: x & ((1::BIGINT << 54) - 1)) AS eng_refs
            FROM pick p JOIN tev_r t ON t.sid = p.sid AND t.o = p.dec_o
            WHERE t.outcome IS NOT NULL AND t.outcome <> 'unknown'""",
-        # ---- the proxy's request (engine_join folds its lines into px_slot; a line's place is its ref)
+        # ---- the proxy's request (engine_join folds its lines into px_slot; a line's place is its ref): the last
+        # line is the last of its own lines, its stored handle and a "not caching" line naming no request
         """CREATE TEMP VIEW px_facts AS
-            SELECT sid, rid AS px_rid, seq AS px_seq, lookup AS px_lookup, stored_seq, head_age AS px_age,
-              head_ttl AS px_ttl, first_ref AS px_first, last_ref AS px_last, (last_ref >> 40)::INTEGER AS px_last_f,
-              first_ts AS px_first_ts, sending AS px_sending, miss AS px_miss, prefill_ms AS px_prefill_ms,
-              done AS px_done, failed_why AS px_failed_why, failed_ref AS px_failed_ref, withheld AS px_withheld,
-              withheld_why AS px_withheld_why, stored_seq AS px_stored, not_stored AS px_not_stored,
-              not_stored_why AS px_not_stored_why, offered AS px_offered
-            FROM px_slot""",
+            SELECT p.sid, p.rid AS px_rid, p.seq AS px_seq, p.lookup AS px_lookup, p.stored_seq,
+              p.head_age AS px_age, p.head_ttl AS px_ttl, p.first_ref AS px_first,
+              greatest(p.last_seq, p.stored_seq, CASE WHEN nc.by_conv THEN nc.seq END) AS px_last,
+              (greatest(p.last_seq, p.stored_seq, CASE WHEN nc.by_conv THEN nc.seq END) >> 40)::INTEGER AS px_last_f,
+              p.first_ts AS px_first_ts, p.sending AS px_sending, p.miss AS px_miss, p.prefill_ms AS px_prefill_ms,
+              p.done AS px_done, p.failed_why AS px_failed_why, p.failed_ref AS px_failed_ref,
+              p.withheld AS px_withheld, p.withheld_why AS px_withheld_why, p.stored_seq AS px_stored,
+              nc.seq AS px_not_stored, nc.why AS px_not_stored_why, p.offered AS px_offered
+            FROM px_slot p
+            LEFT JOIN px_not_cached nc ON nc.rid = p.rid""",
         # ---- P's, D's and other engines' lines of the request
         f"""CREATE TEMP TABLE vl_in AS SELECT s.sid, s.grp, v.f, v.n, v.kind, v.ctx_request_id, v.failure_type,
               v.remote_tokens, v.threshold, v.local_blocks, v.remote_blocks, v.why, v.finish_reason,

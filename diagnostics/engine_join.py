@@ -130,17 +130,15 @@ def join_sql(only: str | None) -> list[str]:
                (SELECT sid FROM slots WHERE rid IS NULL)
            UNION ALL SELECT r.f, r.n, b.sid, NULL FROM ev_rid_only r JOIN by_rid b USING (rid)""",
         # the proxy's requests with their slot, and what the turn's facts read of them (px_facts): the first
-        # line is the head, else where the request starts; the last, of its own lines, its stored handle and
-        # a "not caching" line naming no request
+        # line is the head, else where the request starts
         """CREATE TEMP TABLE px_slot AS
            SELECT b.sid, p.rid, p.offered, p.seq, p.lookup, p.stored_seq, p.head_age, p.head_ttl,
-             coalesce(p.head_seq, p.seq) AS first_ref, greatest(p.last_seq, p.stored_seq,
-               CASE WHEN nc.by_conv THEN nc.seq END) AS last_ref,
+             coalesce(p.head_seq, p.seq) AS first_ref, p.last_seq,
              CASE WHEN p.head_seq IS NOT NULL THEN p.head_ts ELSE p.first_ts END AS first_ts,
              p.sending, p.miss, p.prefill_ms, p.done, p.failed_why, p.failed_ref,
              CASE p.withheld WHEN 'head' THEN p.head_seq WHEN 'line' THEN p.def_seq END AS withheld,
-             p.withheld_why, nc.seq AS not_stored, nc.why AS not_stored_why
-           FROM px_req p JOIN by_rid b USING (rid) LEFT JOIN px_not_cached nc ON nc.rid = p.rid
+             p.withheld_why
+           FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
         """CREATE TEMP TABLE cs_slot AS
            SELECT a.f, a.n, a.sub, coalesce(b.sid, pl.sid, (SELECT min(s.sid) FROM slots s
