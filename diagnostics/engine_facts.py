@@ -88,37 +88,18 @@ def facts_sql() -> list[str]:
            UNION ALL SELECT sid, dec_verdict, dec_reason, dec_ft, starts_with(coalesce(dec_reason, ''), 'inferred'),
              dec_ref, NULL::BIGINT[] FROM ev_facts WHERE dec_verdict <> 'unknown'""",
         *(f"ALTER TABLE ev_facts DROP COLUMN {c}" for c in _DEC_COLUMNS),
-        # ---- the proxy's request: its lines in order (the HIT/stale/history line it took first)
-        """CREATE TEMP TABLE px_lines AS
-           SELECT p.sid, 0 AS lo, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p
-             JOIN pl l ON l.f = p.head_f AND l.n = p.head_n
-           UNION ALL SELECT p.sid, l.seq, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p JOIN pl l
-             ON l.rid = p.rid AND l.kind NOT IN ('cached', 'ready') AND l.seq >= p.seq
-           UNION ALL SELECT p.sid, l.seq, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p JOIN pl l
-             ON l.kind = 'cached' AND hrid(l.remote) = p.rid AND l.seq > p.seq
-           UNION ALL SELECT p.sid, l.seq, l.f, l.n, l.kind, l.ts, l.ms, l.detail FROM px_slot p
-             JOIN px_not_cached nc ON nc.rid = p.rid JOIN pl l ON l.f = nc.f AND l.n = nc.n AND l.rid IS NULL""",
-        f"""CREATE TEMP TABLE px_facts AS
-            WITH a AS (SELECT sid, arg_min({REF}, lo) AS px_first, arg_max({REF}, lo) AS px_last,
-                         arg_max(f, lo) AS px_last_f, arg_min(ts, lo) AS px_first_ts,
-                         {_first(REF, 'lo', "kind = 'sending'")} AS px_sending,
-                         {_first(REF, 'lo', "kind IN ('miss', 'no_handle')")} AS px_miss,
-                         {_first('TRY_CAST(ms AS DOUBLE)', 'lo', "kind = 'prefill_done'")} AS px_prefill_ms,
-                         bool_or(kind = 'prefill_done') AS px_done,
-                         {_first("left(replace(kind, '_', ' ') || ': ' || coalesce(detail, ''), 200)", 'lo',
-                                 "kind IN ('prefill_failed', 'decode_failed')")} AS px_failed_why,
-                         {_first(REF, 'lo', "kind IN ('prefill_failed', 'decode_failed')")} AS px_failed_ref
-                       FROM px_lines GROUP BY sid)
+        # ---- the proxy's request (engine_join folds its lines into px_slot; a line's place is its ref): the last
+        # line is the last of its own lines, its stored handle and a "not caching" line naming no request
+        """CREATE TEMP VIEW px_facts AS
             SELECT p.sid, p.rid AS px_rid, p.seq AS px_seq, p.lookup AS px_lookup, p.stored_seq,
-              p.head_age AS px_age, p.head_ttl AS px_ttl, a.* EXCLUDE (sid),
-              CASE p.withheld WHEN 'head' THEN (p.head_f::BIGINT << 40) + p.head_n
-                              WHEN 'line' THEN (p.def_f::BIGINT << 40) + p.def_n END AS px_withheld,
-              CASE p.withheld WHEN 'head' THEN hl.why WHEN 'line' THEN dl.why END AS px_withheld_why,
-              (p.stored_f::BIGINT << 40) + p.stored_n AS px_stored,
-              (nc.f::BIGINT << 40) + nc.n AS px_not_stored, nc.why AS px_not_stored_why, p.offered AS px_offered
-            FROM px_slot p JOIN a USING (sid)
-            LEFT JOIN pl hl ON p.withheld = 'head' AND hl.f = p.head_f AND hl.n = p.head_n
-            LEFT JOIN pl dl ON p.withheld = 'line' AND dl.f = p.def_f AND dl.n = p.def_n
+              p.head_age AS px_age, p.head_ttl AS px_ttl, p.first_ref AS px_first,
+              greatest(p.last_seq, p.stored_seq, CASE WHEN nc.by_conv THEN nc.seq END) AS px_last,
+              (greatest(p.last_seq, p.stored_seq, CASE WHEN nc.by_conv THEN nc.seq END) >> 40)::INTEGER AS px_last_f,
+              p.first_ts AS px_first_ts, p.sending AS px_sending, p.miss AS px_miss, p.prefill_ms AS px_prefill_ms,
+              p.done AS px_done, p.failed_why AS px_failed_why, p.failed_ref AS px_failed_ref,
+              p.withheld AS px_withheld, p.withheld_why AS px_withheld_why, p.stored_seq AS px_stored,
+              nc.seq AS px_not_stored, nc.why AS px_not_stored_why, p.offered AS px_offered
+            FROM px_slot p
             LEFT JOIN px_not_cached nc ON nc.rid = p.rid""",
         _vl_facts_sql(),
         # ---- one row per turn

@@ -108,19 +108,20 @@ def join_sql(only: str | None) -> list[str]:
              (SELECT rid FROM slot_src WHERE rid IS NOT NULL)""",
         # ---- 2. the proxy's requests
         *_proxy_requests_sql(only_sql),
-        # the k-th request of a conversation no event names is turn k, unless an event holds that number
+        # the k-th request of a conversation no event names is turn k, unless an event holds that number (only
+        # those that clash are numbered after the last turn)
         """CREATE TEMP TABLE px_new AS
            WITH q AS (SELECT rid, conv, seq, row_number() OVER (PARTITION BY conv ORDER BY seq) AS k FROM px_req
                       WHERE conv IS NOT NULL),
            taken AS (SELECT conv, turn FROM slot_src WHERE rid IS NOT NULL),
-           fresh AS (SELECT q.* FROM q WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL)),
-           pick AS (SELECT fresh.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = fresh.conv AND t.turn = fresh.k)
-                      AS clash FROM fresh)
-           SELECT rid, conv, seq, CASE WHEN NOT clash THEN k ELSE
-               greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = pick.conv), 0),
-                        coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = pick.conv AND NOT p2.clash), 0))
-               + row_number() OVER (PARTITION BY conv, clash ORDER BY seq) END AS turn
-           FROM pick""",
+           pick AS (SELECT q.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = q.conv AND t.turn = q.k) AS clash FROM q
+                    WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL))
+           SELECT rid, conv, seq, k AS turn FROM pick WHERE NOT clash
+           UNION ALL SELECT rid, conv, seq,
+               greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = c.conv), 0),
+                        coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = c.conv AND NOT p2.clash), 0))
+               + row_number() OVER (PARTITION BY conv ORDER BY seq)
+           FROM pick c WHERE clash""",
         """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + seq, 1 FROM px_new""",
         # ---- 3. client statistics
         *_stats_sql(only),
@@ -134,7 +135,16 @@ def join_sql(only: str | None) -> list[str]:
              ON k.rid IS NULL AND s.rid IS NULL AND s.conv = k.cconv AND s.turn = k.turn AND s.sid IN
                (SELECT sid FROM slots WHERE rid IS NULL)
            UNION ALL SELECT r.f, r.n, b.sid, NULL FROM ev_rid_only r JOIN by_rid b USING (rid)""",
-        """CREATE TEMP TABLE px_slot AS SELECT p.*, b.sid FROM px_req p JOIN by_rid b USING (rid)
+        # the proxy's requests with their slot, and what the turn's facts read of them (px_facts): the first
+        # line is the head, else where the request starts
+        """CREATE TEMP TABLE px_slot AS
+           SELECT b.sid, p.rid, p.offered, p.seq, p.lookup, p.stored_seq, p.head_age, p.head_ttl,
+             coalesce(p.head_seq, p.seq) AS first_ref, p.last_seq,
+             CASE WHEN p.head_seq IS NOT NULL THEN p.head_ts ELSE p.first_ts END AS first_ts,
+             p.sending, p.miss, p.prefill_ms, p.done, p.failed_why, p.failed_ref,
+             CASE p.withheld WHEN 'head' THEN p.head_seq WHEN 'line' THEN p.def_seq END AS withheld,
+             p.withheld_why
+           FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
         # (the same-numbered turn only for the statistics neither a request id nor a placed turn took: a
         # subquery over every statistic costs as much as the joins)
@@ -197,55 +207,62 @@ def join_sql(only: str | None) -> list[str]:
 
 
 def _proxy_requests_sql(only_sql: str) -> list[str]:
-    """``px_req``: one row per proxy request id: the lines correlate's proxy pass folds into it."""
+    """``px_req``: one row per proxy request id: the lines correlate's proxy pass folds into it, and what the
+    turn's facts read of them (a line's place ``seq`` is its ref)."""
+    failed = "kind IN ('prefill_failed', 'decode_failed')"
+    defining = "kind IN ('sending', 'miss', 'no_handle') AND cconv IS NOT NULL"
     return [
         # a request's defining line (sending / miss / no_handle) takes the HIT, stale or history line logged
-        # just before it for its conversation
-        # (the window carries only the line's place; the lines are joined back by it: a window over every
-        # column sorts them all)
-        """CREATE TEMP TABLE px_def AS
-           WITH w AS (SELECT seq, kind, lag(seq) OVER (PARTITION BY cconv ORDER BY seq) AS head_seq FROM pl
-                      WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL)
-           SELECT p.*, h.kind AS head_kind, h.f AS head_f, h.n AS head_n, h.age AS head_age, h.ttl AS head_ttl,
-             h.why AS head_why, w.head_seq
-           FROM w JOIN pl p ON p.seq = w.seq LEFT JOIN pl h ON h.seq = w.head_seq
-           WHERE w.kind IN ('sending', 'miss', 'no_handle') AND p.rid IS NOT NULL""",
-        """CREATE TEMP TABLE px_first AS SELECT rid, min(seq) AS seq FROM pl WHERE rid IS NOT NULL
-             AND kind NOT IN ('cached', 'ready') GROUP BY rid""",
-        # the last defining line of a request decides its lookup (correlate overwrites it)
+        # just before it for its conversation (head_seq)
+        f"""CREATE TEMP TABLE px_def AS SELECT * FROM (
+              SELECT seq, kind, cconv, rid, remote, why, lag(seq) OVER (PARTITION BY cconv ORDER BY seq) AS head_seq
+              FROM pl WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL)
+            WHERE {defining} AND rid IS NOT NULL""",
+        # one pass over the lines naming each request's id (the first is where it starts, the last defining one
+        # decides its lookup, as correlate overwrites it); the last "cached D blocks" line naming it as its
+        # remote request (if after its start, it stored its handle); the defining line's head
         f"""CREATE TEMP TABLE px_req AS
-            WITH d AS (SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY rid ORDER BY seq DESC) AS k
-                                     FROM px_def) WHERE k = 1),
-            stored AS (SELECT hrid(c.remote) AS rid, arg_max(c.f, c.seq) AS f, arg_max(c.n, c.seq) AS n,
-                         max(c.seq) AS stored_seq FROM pl c JOIN px_first pf ON pf.rid = hrid(c.remote)
-                       WHERE c.kind = 'cached' AND c.seq > pf.seq GROUP BY hrid(c.remote))
-            SELECT pf.rid, d.cconv AS conv, pf.seq,
+            WITH r AS (SELECT rid, min(seq) AS seq, max(seq) AS last_seq, arg_min(ts, seq) AS first_ts,
+                         max(seq) FILTER (WHERE {defining}) AS def_seq,
+                         min(seq) FILTER (WHERE kind = 'sending') AS sending,
+                         min(seq) FILTER (WHERE kind IN ('miss', 'no_handle')) AS miss,
+                         arg_min(TRY_CAST(ms AS DOUBLE), seq) FILTER (WHERE kind = 'prefill_done') AS prefill_ms,
+                         bool_or(kind = 'prefill_done') AS done,
+                         arg_min(CASE WHEN {failed} THEN left(replace(kind, '_', ' ') || ': ' || coalesce(detail, ''),
+                                 200) END, seq) FILTER (WHERE {failed}) AS failed_why,
+                         min(seq) FILTER (WHERE {failed}) AS failed_ref,
+                         bool_or(kind = 'no_conversation_id') AS no_conv
+                       FROM pl WHERE rid IS NOT NULL AND kind NOT IN ('cached', 'ready') GROUP BY rid),
+            cached AS (SELECT hrid(remote) AS rid, max(seq) AS seq FROM pl WHERE kind = 'cached' GROUP BY 1)
+            SELECT r.rid, d.cconv AS conv, r.seq,
               CASE WHEN d.kind = 'sending' THEN 'hit'
-                   WHEN d.kind IS NOT NULL AND d.head_kind = 'stale' THEN 'stale'
+                   WHEN d.kind IS NOT NULL AND h.kind = 'stale' THEN 'stale'
                    WHEN d.kind IS NOT NULL THEN d.kind
-                   WHEN EXISTS (SELECT 1 FROM pl WHERE pl.rid = pf.rid AND pl.kind = 'no_conversation_id')
-                     THEN 'no_conversation_id' END AS lookup,
+                   WHEN r.no_conv THEN 'no_conversation_id' END AS lookup,
               CASE WHEN d.kind = 'sending' THEN d.remote END AS offered,
-              CASE WHEN d.head_kind IN ('hit', 'stale', 'miss_head') THEN d.head_f END AS head_f,
-              CASE WHEN d.head_kind IN ('hit', 'stale', 'miss_head') THEN d.head_n END AS head_n,
-              CASE WHEN d.head_kind IN ('hit', 'stale', 'miss_head') THEN d.head_kind END AS head_kind,
-              CASE WHEN d.head_kind IN ('hit', 'stale') THEN d.head_age END AS head_age,
-              CASE WHEN d.head_kind = 'stale' THEN d.head_ttl END AS head_ttl,
-              d.f AS def_f, d.n AS def_n, d.kind AS def_kind,
-              CASE WHEN d.kind IN ('miss', 'no_handle') AND d.head_kind = 'miss_head' AND d.head_why IS NOT NULL
+              CASE WHEN h.kind IS NOT NULL THEN d.head_seq END AS head_seq, h.ts AS head_ts,
+              CASE WHEN h.kind IN ('hit', 'stale') THEN h.age END AS head_age,
+              CASE WHEN h.kind = 'stale' THEN h.ttl END AS head_ttl,
+              r.def_seq,
+              CASE WHEN d.kind IN ('miss', 'no_handle') AND h.kind = 'miss_head' AND h.why IS NOT NULL
                    THEN 'head' WHEN d.kind = 'miss' AND d.why IS NOT NULL THEN 'line' END AS withheld,
-              st.f AS stored_f, st.n AS stored_n, st.stored_seq
-            FROM px_first pf LEFT JOIN d ON d.rid = pf.rid LEFT JOIN stored st ON st.rid = pf.rid
+              CASE WHEN d.kind IN ('miss', 'no_handle') AND h.kind = 'miss_head' AND h.why IS NOT NULL
+                   THEN h.why WHEN d.kind = 'miss' AND d.why IS NOT NULL THEN d.why END AS withheld_why,
+              CASE WHEN c.seq > r.seq THEN c.seq END AS stored_seq,
+              r.first_ts, r.last_seq, r.sending, r.miss, r.prefill_ms, r.done, r.failed_why, r.failed_ref
+            FROM r LEFT JOIN cached c ON c.rid = r.rid LEFT JOIN px_def d ON d.seq = r.def_seq
+            LEFT JOIN pl h ON h.seq = d.head_seq AND h.kind IN ('hit', 'stale', 'miss_head')
             WHERE d.cconv IS NULL OR {only_sql.replace('cconv', 'd.cconv')}""",
-        # "not caching D blocks": the request it names, else its conversation's latest request before it
+        # "not caching D blocks": the request it names, else (by_conv) its conversation's latest request before it
         """CREATE TEMP TABLE px_not_cached AS
            WITH nc AS (SELECT * FROM pl WHERE kind = 'not_cached'),
-           named AS (SELECT nc.f, nc.n, nc.seq, nc.why, nc.rid FROM nc JOIN px_first pf ON pf.rid = nc.rid
-                     WHERE nc.seq > pf.seq),
+           named AS (SELECT nc.f, nc.n, nc.seq, nc.why, nc.rid, false AS by_conv FROM nc
+                     JOIN px_req pf ON pf.rid = nc.rid WHERE nc.seq > pf.seq),
            by_conv AS (SELECT nc.f, nc.n, nc.seq, nc.why, (SELECT arg_max(d.rid, d.seq) FROM px_def d
-                         WHERE d.cconv = nc.cconv AND d.seq < nc.seq) AS rid
+                         WHERE d.cconv = nc.cconv AND d.seq < nc.seq) AS rid, true AS by_conv
                        FROM nc WHERE nc.rid IS NULL AND nc.cconv IS NOT NULL)
-           SELECT rid, arg_max(f, seq) AS f, arg_max(n, seq) AS n, arg_max(why, seq) AS why, max(seq) AS seq
+           SELECT rid, arg_max(f, seq) AS f, arg_max(n, seq) AS n, arg_max(why, seq) AS why, max(seq) AS seq,
+             arg_max(by_conv, seq) AS by_conv
            FROM (SELECT * FROM named UNION ALL SELECT * FROM by_conv WHERE rid IS NOT NULL) GROUP BY rid""",
     ]
 

@@ -375,22 +375,21 @@ def parse_proxy_sql() -> list[str]:
             whens.append(f"WHEN {i} THEN {value}")
         fields.append(f"CASE k {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
-    # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message
-    rest = "substr(t, strpos(t, '] ') + 2)"
+    # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message;
+    # the time and level hold no ": ", so the first is the one after the name
+    msg = "substr(t, strpos(t, ': ') + 2)"
     return [
-        # seq orders the lines: files in reading order, then lines. The kind is computed once (a materialized
-        # step): as a filter and a column, DuckDB would run its patterns twice.
+        # seq orders the lines: files in reading order, then lines. The kind is computed once, in one
+        # projection with the groups; the lines no classifier takes are deleted after (as a filter, DuckDB
+        # would run the patterns twice, and a materialized step copies every line)
         f"""CREATE TEMP TABLE pl AS
-            WITH m AS (SELECT f, n, left(t, 19) AS ts,
-                  substr(t, strpos(t, ' [') + 2, strpos(t, '] ') - strpos(t, ' [') - 2) AS level,
-                  substr({rest}, strpos({rest}, ': ') + 2) AS msg, left(substr({rest}, strpos({rest}, ': ') + 2), 1)
-                    AS lead
+            WITH m AS (SELECT f, n, left(t, 19) AS ts, {msg} AS msg, left({msg}, 1) AS lead
                 FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
                 WHERE regexp_matches(t, {sql_str(_re2(PROXY_HEAD_RE))})),
-            c AS MATERIALIZED (SELECT *, CASE {' '.join(kinds)} END AS k FROM m)
+            c AS (SELECT *, CASE {' '.join(kinds)} END AS k FROM m)
             SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
-              SELECT f, n, ts, level, CASE k {kind_names} END AS kind, {', '.join(fields)}
-              FROM c WHERE k IS NOT NULL)""",
+              SELECT f, n, ts, CASE k {kind_names} END AS kind, {', '.join(fields)} FROM c)""",
+        "DELETE FROM pl WHERE kind IS NULL",
     ]
 
 
