@@ -526,15 +526,22 @@ def decided_rows(run: Run, *, evidence: bool = True) -> pa.Table:
     ``evidence``, each turn's evidence as a list of {source, text}."""
     import numpy as np  # noqa: PLC0415
     import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.compute as pc  # noqa: PLC0415
 
     rows = run.con.sql(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").to_arrow_table()
     if not evidence:
         return rows
-    flat = run.con.sql(_evidence_flat(run)).to_arrow_table()
+    # each ref's text looked up by Arrow in the texts (one row per ref): sorting the texts into the turns' order
+    # in DuckDB costs several times more
+    texts = run.con.sql(_evidence_texts(run)).to_arrow_table()
+    refs = run.con.sql("SELECT i, ref FROM ev_refs ORDER BY i, k").to_arrow_table()
+    at = pc.index_in(refs.column("ref"), value_set=texts.column("ref")).combine_chunks()
+    found = at.is_valid()
+    at = at.filter(found)
     counts = np.zeros(rows.num_rows + 1, dtype=np.int64)
-    np.add.at(counts, flat.column("i").to_numpy() + 1, 1)
-    values = pa.StructArray.from_arrays([flat.column("source").combine_chunks(), flat.column("text").combine_chunks()],
-                                        names=["source", "text"])
+    np.add.at(counts, refs.column("i").filter(found).to_numpy() + 1, 1)
+    values = pa.StructArray.from_arrays([texts.column("source").combine_chunks().take(at),
+                                         texts.column("text").combine_chunks().take(at)], names=["source", "text"])
     return rows.append_column("evidence", pa.ListArray.from_arrays(pa.array(np.cumsum(counts), pa.int32()),
                                                                    values))
 
@@ -547,7 +554,9 @@ def decided_lists(run: Run) -> tuple[dict[str, list[Any]], list[list[tuple[str, 
     rows = run.con.execute(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").fetchall()
     columns = {c: [r[k] for r in rows] for k, c in enumerate(cols)}
     evidence: list[list[tuple[str, str]]] = [[] for _ in rows]
-    for i, source, text in run.con.execute(_evidence_flat(run)).fetchall():
+    texts = _evidence_texts(run)
+    for i, source, text in run.con.execute(f"SELECT r.i, t.source, t.text FROM ev_refs r JOIN ({texts}) t USING (ref) "
+                                           "ORDER BY r.i, r.k").fetchall():
         evidence[i].append((source, text))
     return columns, evidence
 
@@ -556,15 +565,13 @@ _ORDER: Final = "ORDER BY conversation_id, pos"  # (conversation, place in it) i
 _RECORD_SELECT: Final = ", ".join(c for c in RECORD_COLUMNS if c != "evidence")
 
 
-def _evidence_flat(run: Run) -> str:
-    """The query of every turn's evidence as one flat table (turn index, source, text) in turn order, then
-    each turn's own order: an ordered ``list()`` per turn in DuckDB costs several times more."""
-    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT d.sid, r.ref, r.k FROM decided d, "
-                    "unnest(d.evidence) WITH ORDINALITY AS r(ref, k)")
-    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_text AS " + evidence_sql("ev_refs")
-                    + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext")
-    texts = "(SELECT DISTINCT ON (ref) * FROM ev_text)" if run.con.execute(
-        "SELECT count(*) FROM wtext").fetchall()[0][0] else "ev_text"  # only a window's text can repeat a ref
-    return f"""SELECT o.i, t.source, t.text FROM ev_refs r
-        JOIN (SELECT sid, row_number() OVER ({_ORDER}) - 1 AS i FROM decided) o USING (sid)
-        JOIN {texts} t USING (ref) ORDER BY o.i, r.k"""
+def _evidence_texts(run: Run) -> str:
+    """Every turn's evidence refs into ``ev_refs`` (turn index in conversation order, ref, place in the turn's
+    evidence); returns the query of their texts (ref, source, text), one row per ref."""
+    run.con.execute(f"""CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT i, unnest(evidence) AS ref,
+        generate_subscripts(evidence, 1) AS k FROM (SELECT row_number() OVER ({_ORDER}) - 1 AS i, evidence
+        FROM decided)""")
+    texts = evidence_sql("ev_refs") + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext"
+    if run.con.execute("SELECT count(*) FROM wtext").fetchall()[0][0]:  # only a window's text can repeat a ref
+        return f"SELECT DISTINCT ON (ref) * FROM ({texts})"
+    return texts
