@@ -270,13 +270,13 @@ def _records(cols: dict[str, list[Any]], evidence: list[list[Evidence]], missing
     out: list[ConversationRecord] = []
     conv: ConversationRecord | None = None
     new = object.__new__
-    for row in zip(*values, strict=True):
-        conv_id = row[0]
+    for state in map(dict, map(zip, itertools.repeat(_STATE), zip(*values, strict=True))):
+        conv_id = state["conversation_id"]
         if conv is None or conv.conversation_id != conv_id:
             conv = ConversationRecord(conversation_id=conv_id, missing_sources=list(missing))
             out.append(conv)
         rec: TurnRecord = new(TurnRecord)
-        rec.__dict__.update(zip(_STATE, row, strict=True))
+        rec.__dict__ = state  # (a dataclass without __slots__: its fields live in __dict__)
         fix_hint(rec, fixes)
         conv.turns.append(rec)
     return out
