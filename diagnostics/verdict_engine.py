@@ -439,11 +439,13 @@ ord AS (SELECT sid, conversation_id, px_last_f, px_seq, has_px, row_number() OVE
 prev AS (SELECT o2.conversation_id, o2.pos + 1 AS next_pos, {", ".join(f"{v} AS prev_{k}" for k, v in _PREV)}
   FROM f JOIN ord o2 USING (sid)),
 turn_prev AS (SELECT o1.sid, o1.pos, prev.* EXCLUDE (conversation_id, next_pos), o1.earlier_all_failed,
-    CASE WHEN prev.prev_has_px AND o1.has_px THEN (SELECT arg_min((r.f::BIGINT << 40) + r.n, r.seq) FROM ready r
-      WHERE r.f = o1.px_last_f AND r.seq > coalesce(prev.prev_stored_seq, prev.prev_px_seq) AND r.seq < o1.px_seq)
-      END AS restart_ref
+    o1.px_last_f AS own_last_f, o1.px_seq AS own_px_seq, o1.has_px AS own_has_px
   FROM ord o1 LEFT JOIN prev ON prev.conversation_id = o1.conversation_id AND prev.next_pos = o1.pos),
-o AS (SELECT f.*, turn_prev.* EXCLUDE (sid) FROM f JOIN turn_prev USING (sid))
+restart AS (SELECT tp.sid, arg_min((r.f::BIGINT << 40) + r.n, r.seq) AS restart_ref FROM turn_prev tp JOIN ready r
+    ON r.f = tp.own_last_f AND r.seq > coalesce(tp.prev_stored_seq, tp.prev_px_seq) AND r.seq < tp.own_px_seq
+  WHERE tp.prev_has_px AND tp.own_has_px GROUP BY tp.sid),
+o AS (SELECT f.*, turn_prev.* EXCLUDE (sid, own_last_f, own_px_seq, own_has_px), restart.restart_ref
+  FROM f JOIN turn_prev USING (sid) LEFT JOIN restart USING (sid))
 SELECT o.* EXCLUDE (restart_ref),
   coalesce(c_ttft_ms, s_ttft_ms, e_ttft_ms) AS ttft_ms,
   coalesce(c_prompt_tokens, s_input_num_tokens, e_prompt_tokens) AS prompt_tokens,
