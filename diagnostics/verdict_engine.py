@@ -573,7 +573,8 @@ def _evidence_texts(run: Run) -> str:
     run.con.execute(f"""CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT i, unnest(evidence) AS ref,
         generate_subscripts(evidence, 1) AS k FROM (SELECT row_number() OVER ({_ORDER}) - 1 AS i, evidence
         FROM decided)""")
-    texts = evidence_sql("ev_refs") + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext"
-    if run.con.execute("SELECT count(*) FROM wtext").fetchall()[0][0]:  # only a window's text can repeat a ref
-        return f"SELECT DISTINCT ON (ref) * FROM ({texts})"
-    return texts
+    if not run.con.execute("SELECT count(*) FROM wtext").fetchall()[0][0]:
+        return evidence_sql("ev_refs")
+    # only a window's text can repeat a ref: the log's own text first, as the lines are listed
+    return f"""SELECT DISTINCT ON (ref) ref, source, text FROM (SELECT *, 0 AS w FROM ({evidence_sql("ev_refs")})
+        UNION ALL SELECT ref, source, left(text, 300), 1 FROM wtext) ORDER BY ref, w"""
