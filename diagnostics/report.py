@@ -78,9 +78,10 @@ def _in(verdicts: frozenset[Verdict]) -> str:
     return ", ".join(f"'{v.value}'" for v in sorted(verdicts))
 
 
-def derive_sql(source: str) -> str:
+def derive_sql(source: str, key: str | None = None) -> str:
     """TABLE_COLUMNS from RAW_COLUMNS rows in ``source``: the buckets, the reuse flags, the missing-metadata
-    cause named in the reason, an end from start and latency, and a gap from the previous turn's end."""
+    cause named in the reason, an end from start and latency, and a gap from the previous turn's end. With
+    ``key`` (a column unique per row), the previous turn's end is found on narrow rows and joined back by it."""
     edges = " ".join(f"WHEN prompt_tokens < {e} THEN '{b}'" for e, b in zip(_PROMPT_EDGES, PROMPT_BUCKETS,
                                                                                 strict=False))
     reasons = " ".join(f"WHEN contains(reason, '{n}') THEN '{n}'" for n in MISSING_METADATA_REASONS)
@@ -89,6 +90,9 @@ def derive_sql(source: str) -> str:
     # twice the wall time)
     since = "since_prev"
     window = f"start_ts - lag({end}) OVER (PARTITION BY conversation_id ORDER BY turn, pos) AS since_prev"
+    # (the window sorting the wide rows, their reasons included, costs more than a join on the key)
+    rows = (f"(SELECT *, {window} FROM {source})" if key is None
+            else f"(SELECT * FROM {source} JOIN (SELECT {key}, {window} FROM {source}) USING ({key}))")
     cols = {
         "turn_bucket": "CASE WHEN turn <= 1 THEN '1' WHEN turn = 2 THEN '2' WHEN turn = 3 THEN '3' WHEN turn <= 7 "
                        "THEN '4-7' ELSE '8+' END",
@@ -101,12 +105,12 @@ def derive_sql(source: str) -> str:
         "reason": "coalesce(reason, '')",
     }
     select = ", ".join(f"{cols[c]} AS {c}" if c in cols else c for c in TABLE_COLUMNS)
-    return f"SELECT {select} FROM (SELECT *, {window} FROM {source}) ORDER BY conversation_id, turn, pos"
+    return f"SELECT {select} FROM {rows} ORDER BY conversation_id, turn, pos"
 
 
-def _derive(con: duckdb.DuckDBPyConnection, source: str) -> pd.DataFrame:
+def _derive(con: duckdb.DuckDBPyConnection, source: str, key: str | None = None) -> pd.DataFrame:
     # nullable integers straight from Arrow (no float round trip for normalize_table to undo)
-    table = con.sql(derive_sql(source)).to_arrow_table()
+    table = con.sql(derive_sql(source, key)).to_arrow_table()
     return normalize_table(table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get))
 
 
@@ -413,19 +417,19 @@ def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | No
     try:
         # the benchmark's own clock gives a gap to 3 decimals as Python rounds it (explain's records do the same);
         # a view unless some gap needs that rounding (copying a million wide rows costs a second)
-        run.con.execute(f"CREATE TEMP VIEW raw_turns_view AS SELECT {_ENGINE_RAW}, ev_gap_s IS NULL AND prev_sid IS "
-                        "NOT NULL AND client_gap IS NOT NULL AS client_gap_used FROM decided")
+        run.con.execute(f"CREATE TEMP VIEW raw_turns_view AS SELECT {_ENGINE_RAW}, sid, ev_gap_s IS NULL AND prev_sid "
+                        "IS NOT NULL AND client_gap IS NOT NULL AS client_gap_used FROM decided")
         rounded = run.con.sql("SELECT conversation_id, turn, pos, gap_s FROM raw_turns_view WHERE client_gap_used"
                               ).to_arrow_table()
         if not rounded.num_rows:
-            return _derive(run.con, "raw_turns_view")
+            return _derive(run.con, "raw_turns_view", "sid")
         run.con.execute("CREATE TEMP TABLE raw_turns AS SELECT * FROM raw_turns_view")
         gap_fix = rounded.set_column(3, "gap_s", pa.array([None if g is None else round(g, 3)
                                                            for g in rounded.column(3).to_pylist()], pa.float64()))
         run.con.register("gap_fix", gap_fix)
         run.con.execute("UPDATE raw_turns SET gap_s = gap_fix.gap_s FROM gap_fix WHERE raw_turns.conversation_id = "
                         "gap_fix.conversation_id AND raw_turns.turn = gap_fix.turn AND raw_turns.pos = gap_fix.pos")
-        return _derive(run.con, "raw_turns")
+        return _derive(run.con, "raw_turns", "sid")
     finally:
         run.con.close()
 

@@ -399,8 +399,19 @@ CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS SELECT
     AS ctx_block_size,
   (SELECT arg_max(TRY_CAST(ttl AS DOUBLE), seq) FROM pl WHERE kind = 'stale') AS ctx_router_ttl"""
 
+# What the previous turn of the conversation says, as the rules read it: prev_<name> is its <value> (of f).
+_PREV: Final = (("sid", "f.sid"), ("turn", "f.turn"), ("stored", "f.px_stored"),
+                ("has_stored", "coalesce(f.px_has_stored, false)"), ("not_stored", "f.px_not_stored"),
+                ("has_not_stored", "coalesce(f.px_has_not_stored, false)"), ("not_stored_why", "f.px_not_stored_why"),
+                ("aborted", "f.aborted"), ("failed_why", "f.failed_why"), ("failed_ref", "f.failed_ref"),
+                ("px_first", "f.px_first"), ("has_px", "f.has_px"), ("stored_seq", "f.stored_seq"),
+                ("px_seq", "f.px_seq"), ("s_input_num_tokens", "f.s_input_num_tokens"),
+                ("s_output_num_tokens", "f.s_output_num_tokens"), ("stat_ref", "f.stat_ref"),
+                ("s_start_time_ms", "f.s_start_time_ms"), ("s_latency_ms", "f.s_latency_ms"))
+_ORDER_BY: Final = "PARTITION BY conversation_id ORDER BY turn, coalesce(px_seq, 0), sid"
+
 # Each turn with its conversation's previous turn and the facts the rules derive from several columns.
-TURNS_SQL: Final = """CREATE TEMP VIEW tf AS
+TURNS_SQL: Final = f"""CREATE TEMP VIEW tf AS
 WITH base AS (SELECT t.*, ctx.*, t.px_seq IS NOT NULL AS has_px,
     coalesce(t.has_events, false) AS has_ev,
     CASE WHEN coalesce(t.has_events, false) THEN coalesce(t.client_ok, false)
@@ -417,28 +428,25 @@ f AS (SELECT *, CASE WHEN answered THEN NULL ELSE coalesce(ev_failed_why, vl_fai
       + TRY_CAST(substr(px_first_ts, 15, 2) AS INTEGER) * 60 + TRY_CAST(substr(px_first_ts, 18, 2) AS INTEGER)
       AS px_start
   FROM base),
--- the conversation's order (a narrow window), then the previous turn by a join on it
-ord AS (SELECT sid, row_number() OVER (PARTITION BY conversation_id ORDER BY turn, coalesce(px_seq, 0), sid) AS pos,
-    conversation_id FROM turn_facts),
-prev AS (SELECT o2.conversation_id, o2.pos + 1 AS next_pos, f.sid AS prev_sid, f.turn AS prev_turn,
-    f.px_stored AS prev_stored, coalesce(f.px_has_stored, false) AS prev_has_stored,
-    f.px_not_stored AS prev_not_stored, coalesce(f.px_has_not_stored, false) AS prev_has_not_stored,
-    f.px_not_stored_why AS prev_not_stored_why, f.aborted AS prev_aborted, f.failed_why AS prev_failed_why,
-    f.failed_ref AS prev_failed_ref, f.px_first AS prev_px_first, f.has_px AS prev_has_px,
-    f.stored_seq AS prev_stored_seq, f.px_seq AS prev_px_seq, f.s_input_num_tokens AS prev_s_input_num_tokens,
-    f.s_output_num_tokens AS prev_s_output_num_tokens, f.stat_ref AS prev_stat_ref,
-    f.s_start_time_ms AS prev_s_start_time_ms, f.s_latency_ms AS prev_s_latency_ms
+-- the conversation's order and whether every earlier request failed and stored no handle (one narrow window
+-- pass), then the previous turn by a join on the order (cheaper than a lag() per column) and the proxy's restart
+-- ('Ready' line) since, all on narrow rows: the turn's wide row is joined once, at the end
+ord AS (SELECT sid, conversation_id, px_last_f, px_seq, has_px, row_number() OVER ({_ORDER_BY}) AS pos,
+    coalesce(bool_and((failed_why IS NOT NULL OR (has_px AND NOT coalesce(px_has_stored, false)
+          AND NOT coalesce(px_done, false))) AND NOT coalesce(px_has_stored, false))
+      OVER ({_ORDER_BY} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false) AS earlier_all_failed
+  FROM f),
+prev AS (SELECT o2.conversation_id, o2.pos + 1 AS next_pos, {", ".join(f"{v} AS prev_{k}" for k, v in _PREV)}
   FROM f JOIN ord o2 USING (sid)),
--- every earlier request failed and stored no handle: a running AND over the conversation's order
-earlier AS (SELECT sid, coalesce(bool_and(x) OVER (PARTITION BY conversation_id ORDER BY pos ROWS BETWEEN UNBOUNDED
-    PRECEDING AND 1 PRECEDING), false) AS earlier_all_failed
-  FROM (SELECT f.sid, o3.conversation_id, o3.pos, (f.failed_why IS NOT NULL OR (f.has_px AND NOT
-          coalesce(f.px_has_stored, false) AND NOT coalesce(f.px_done, false))) AND NOT coalesce(f.px_has_stored, false)
-          AS x FROM f JOIN ord o3 USING (sid))),
-o AS (SELECT f.*, ord.pos, prev.* EXCLUDE (conversation_id, next_pos), earlier.earlier_all_failed
-  FROM f JOIN ord USING (sid) JOIN earlier USING (sid)
-  LEFT JOIN prev ON prev.conversation_id = ord.conversation_id AND prev.next_pos = ord.pos)
-SELECT o.*,
+turn_prev AS (SELECT o1.sid, o1.pos, prev.* EXCLUDE (conversation_id, next_pos), o1.earlier_all_failed,
+    o1.px_last_f AS own_last_f, o1.px_seq AS own_px_seq, o1.has_px AS own_has_px
+  FROM ord o1 LEFT JOIN prev ON prev.conversation_id = o1.conversation_id AND prev.next_pos = o1.pos),
+restart AS (SELECT tp.sid, arg_min((r.f::BIGINT << 40) + r.n, r.seq) AS restart_ref FROM turn_prev tp JOIN ready r
+    ON r.f = tp.own_last_f AND r.seq > coalesce(tp.prev_stored_seq, tp.prev_px_seq) AND r.seq < tp.own_px_seq
+  WHERE tp.prev_has_px AND tp.own_has_px GROUP BY tp.sid),
+o AS (SELECT f.*, turn_prev.* EXCLUDE (sid, own_last_f, own_px_seq, own_has_px), restart.restart_ref
+  FROM f JOIN turn_prev USING (sid) LEFT JOIN restart USING (sid))
+SELECT o.* EXCLUDE (restart_ref),
   coalesce(c_ttft_ms, s_ttft_ms, e_ttft_ms) AS ttft_ms,
   coalesce(c_prompt_tokens, s_input_num_tokens, e_prompt_tokens) AS prompt_tokens,
   coalesce(c_completion_tokens, s_output_num_tokens, e_completion_tokens) AS completion_tokens,
@@ -454,10 +462,7 @@ SELECT o.*,
   e_wrong_kv_tokens AS wrong_kv_tokens, e_mismatch_tokens AS mismatch_tokens, e_gap_s AS ev_gap_s,
   turn = 1 AND prev_sid IS NULL AND (has_px OR (has_stat AND coalesce(s_input_num_turns, 1) <= 2)) AS is_first,
   coalesce(prev_has_px AND has_px AND prev_stored_seq IS NOT NULL AND prev_stored_seq > px_seq, false)
-    AS is_concurrent,
-  CASE WHEN prev_has_px AND has_px THEN (SELECT arg_min((r.f::BIGINT << 40) + r.n, r.seq) FROM ready r
-      WHERE r.f = o.px_last_f AND r.seq > coalesce(o.prev_stored_seq, o.prev_px_seq) AND r.seq < o.px_seq) END
-    AS restart_ref,
+    AS is_concurrent, restart_ref,
   CASE WHEN prev_sid IS NOT NULL AND prev_s_start_time_ms IS NOT NULL AND prev_s_latency_ms IS NOT NULL
        AND s_start_time_ms IS NOT NULL
        AND (s_start_time_ms - prev_s_start_time_ms - prev_s_latency_ms) / 1000.0 >= 0
@@ -523,15 +528,22 @@ def decided_rows(run: Run, *, evidence: bool = True) -> pa.Table:
     ``evidence``, each turn's evidence as a list of {source, text}."""
     import numpy as np  # noqa: PLC0415
     import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.compute as pc  # noqa: PLC0415
 
     rows = run.con.sql(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").to_arrow_table()
     if not evidence:
         return rows
-    flat = run.con.sql(_evidence_flat(run)).to_arrow_table()
+    # each ref's text looked up by Arrow in the texts (one row per ref): sorting the texts into the turns' order
+    # in DuckDB costs several times more
+    texts = run.con.sql(_evidence_texts(run)).to_arrow_table()
+    refs = run.con.sql("SELECT i, ref FROM ev_refs ORDER BY i, k").to_arrow_table()
+    at = pc.index_in(refs.column("ref"), value_set=texts.column("ref")).combine_chunks()
+    found = at.is_valid()
+    at = at.filter(found)
     counts = np.zeros(rows.num_rows + 1, dtype=np.int64)
-    np.add.at(counts, flat.column("i").to_numpy() + 1, 1)
-    values = pa.StructArray.from_arrays([flat.column("source").combine_chunks(), flat.column("text").combine_chunks()],
-                                        names=["source", "text"])
+    np.add.at(counts, refs.column("i").filter(found).to_numpy() + 1, 1)
+    values = pa.StructArray.from_arrays([texts.column("source").combine_chunks().take(at),
+                                         texts.column("text").combine_chunks().take(at)], names=["source", "text"])
     return rows.append_column("evidence", pa.ListArray.from_arrays(pa.array(np.cumsum(counts), pa.int32()),
                                                                    values))
 
@@ -544,7 +556,9 @@ def decided_lists(run: Run) -> tuple[dict[str, list[Any]], list[list[tuple[str, 
     rows = run.con.execute(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").fetchall()
     columns = {c: [r[k] for r in rows] for k, c in enumerate(cols)}
     evidence: list[list[tuple[str, str]]] = [[] for _ in rows]
-    for i, source, text in run.con.execute(_evidence_flat(run)).fetchall():
+    texts = _evidence_texts(run)
+    for i, source, text in run.con.execute(f"SELECT r.i, t.source, t.text FROM ev_refs r JOIN ({texts}) t USING (ref) "
+                                           "ORDER BY r.i, r.k").fetchall():
         evidence[i].append((source, text))
     return columns, evidence
 
@@ -553,15 +567,14 @@ _ORDER: Final = "ORDER BY conversation_id, pos"  # (conversation, place in it) i
 _RECORD_SELECT: Final = ", ".join(c for c in RECORD_COLUMNS if c != "evidence")
 
 
-def _evidence_flat(run: Run) -> str:
-    """The query of every turn's evidence as one flat table (turn index, source, text) in turn order, then
-    each turn's own order: an ordered ``list()`` per turn in DuckDB costs several times more."""
-    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT d.sid, r.ref, r.k FROM decided d, "
-                    "unnest(d.evidence) WITH ORDINALITY AS r(ref, k)")
-    run.con.execute("CREATE OR REPLACE TEMP TABLE ev_text AS " + evidence_sql("ev_refs")
-                    + " UNION ALL SELECT ref, source, left(text, 300) FROM wtext")
-    texts = "(SELECT DISTINCT ON (ref) * FROM ev_text)" if run.con.execute(
-        "SELECT count(*) FROM wtext").fetchall()[0][0] else "ev_text"  # only a window's text can repeat a ref
-    return f"""SELECT o.i, t.source, t.text FROM ev_refs r
-        JOIN (SELECT sid, row_number() OVER ({_ORDER}) - 1 AS i FROM decided) o USING (sid)
-        JOIN {texts} t USING (ref) ORDER BY o.i, r.k"""
+def _evidence_texts(run: Run) -> str:
+    """Every turn's evidence refs into ``ev_refs`` (turn index in conversation order, ref, place in the turn's
+    evidence); returns the query of their texts (ref, source, text), one row per ref."""
+    run.con.execute(f"""CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT i, unnest(evidence) AS ref,
+        generate_subscripts(evidence, 1) AS k FROM (SELECT row_number() OVER ({_ORDER}) - 1 AS i, evidence
+        FROM decided)""")
+    if not run.con.execute("SELECT count(*) FROM wtext").fetchall()[0][0]:
+        return evidence_sql("ev_refs")
+    # only a window's text can repeat a ref: the log's own text first, as the lines are listed
+    return f"""SELECT DISTINCT ON (ref) ref, source, text FROM (SELECT *, 0 AS w FROM ({evidence_sql("ev_refs")})
+        UNION ALL SELECT ref, source, left(text, 300), 1 FROM wtext) ORDER BY ref, w"""
