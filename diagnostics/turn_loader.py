@@ -221,14 +221,16 @@ def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector off while records are built: each of its full passes would walk every
     record made so far (records hold no cycles to collect). Afterwards the objects made go straight to the
     oldest generation: the first collection would otherwise walk them all (a quarter of a second on a
-    million objects); a full collection still reaches them."""
+    million objects); a full collection still reaches them. Only when nothing is frozen: unfreezing would
+    also thaw what the host froze on purpose (before forking workers, say)."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
-        gc.unfreeze()
+        if not gc.get_freeze_count():
+            gc.freeze()
+            gc.unfreeze()
         if was:
             gc.enable()
 
