@@ -29,7 +29,7 @@ REF: Final = "((f::BIGINT << 40) + n)"
 
 # a statistic's place (file, line, record in the line) as one number: arg_max over a struct key costs
 # several times more
-CS_ORDER: Final = "((cs.f::HUGEINT << 96) + (cs.n::HUGEINT << 48) + cs.sub)"
+CS_ORDER: Final = "((j.f::HUGEINT << 96) + (j.n::HUGEINT << 48) + j.sub)"
 # the client statistics' numbers a turn takes (from its last statistic), as s_<name>
 _STAT_NUMBERS: Final = ("ttft_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
                         "output_num_tokens")
@@ -109,10 +109,22 @@ def facts_sql() -> list[str]:
              {", ".join(f"c.{c} AS s_{c}" for c in _STAT_NUMBERS)}, c.ref AS stat_ref, c.ref IS NOT NULL AS has_stat
            FROM slots s LEFT JOIN ev_facts e USING (sid) LEFT JOIN decider d USING (sid)
            LEFT JOIN px_facts p USING (sid) LEFT JOIN vl_facts v USING (sid)
-           LEFT JOIN (SELECT cs_slot.sid, {", ".join(f"arg_max(cs.{c}, {CS_ORDER}) AS {c}" for c in _STAT_NUMBERS)},
-                        max((cs.f::BIGINT << 40) + cs.n) AS ref
-                      FROM cs_slot JOIN cs USING (f, n, sub) GROUP BY cs_slot.sid) c USING (sid)""",
+           LEFT JOIN ({_stats_sql()}) c USING (sid)""",
     ]
+
+
+def _stats_sql() -> str:
+    """Each turn's numbers from its last client statistic (of each that has one) and the last one's ref. Most
+    turns have one statistic: only the others are aggregated (grouping every turn cost twice as much)."""
+    cols = ", ".join(_STAT_NUMBERS)
+    last = ", ".join(f"arg_max(j.{c}, {CS_ORDER}) AS {c}" for c in _STAT_NUMBERS)
+    # (a NULL sid joins no turn; without it, NOT IN below cannot meet a NULL)
+    return f"""WITH j AS (SELECT s.sid, cs.f, cs.n, cs.sub, {", ".join(f"cs.{c}" for c in _STAT_NUMBERS)}
+                            FROM cs_slot s JOIN cs USING (f, n, sub) WHERE s.sid IS NOT NULL),
+                      m AS (SELECT sid FROM j GROUP BY sid HAVING count(*) > 1)
+                    SELECT sid, {cols}, (f::BIGINT << 40) + n AS ref FROM j WHERE sid NOT IN (SELECT sid FROM m)
+                    UNION ALL SELECT j.sid, {last}, max((j.f::BIGINT << 40) + j.n) FROM j
+                    WHERE j.sid IN (SELECT sid FROM m) GROUP BY j.sid"""
 
 
 def _ev_fact_specs() -> list[tuple[str, str, str, str]]:
