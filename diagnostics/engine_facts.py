@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from kvdiag.diagnostics.engine_parse import VLLM_TEXT, sql_str
+from kvdiag.diagnostics.engine_parse import VLLM_LINE, sql_str
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
@@ -311,10 +311,11 @@ _WS: Final = "' \t\r\n\x0b\x0c'"
 
 def evidence_sql(refs: str) -> str:
     """SELECT (ref, source, text) for the refs in table ``refs`` (column ``ref``): each record's ``file:line``
-    and its text (at most 300 characters), as explain prints them."""
+    and its text (at most 300 characters), as explain prints them. (A vLLM line is not cut to 500 first: the
+    300 below cuts it the same.)"""
     return f"""
 WITH r AS (SELECT DISTINCT ref, (ref >> 40)::INTEGER AS f, (ref & ((1::BIGINT << 40) - 1)) AS n FROM {refs}),
-t AS (SELECT r.ref, r.f, r.n, coalesce(e.text, c.text, CASE WHEN h.f IS NOT NULL THEN {VLLM_TEXT} END,
+t AS (SELECT r.ref, r.f, r.n, coalesce(e.text, c.text, CASE WHEN h.f IS NOT NULL THEN {VLLM_LINE} END,
       CASE WHEN lj.line IS NOT NULL THEN left(CASE
         WHEN starts_with(lj.line, '{{') AND ends_with(lj.line, '}}') THEN lj.line ELSE trim(lj.line, {_WS}) END, 500)
         END, left(CASE WHEN ends_with(lp.line, chr(13)) THEN rtrim(lp.line, chr(13)) ELSE lp.line END, 500)) AS text

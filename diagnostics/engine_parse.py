@@ -468,11 +468,13 @@ _VLLM_COLUMNS: Final = {"request_id": "VARCHAR", "request_ids": "VARCHAR[]", "fa
                         "remote_request_id": "VARCHAR", "why": "VARCHAR"}
 VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *_VLLM_COLUMNS)
 # vllm_log.VllmRecord.text: the record's first line as the operator would grep it (no colours, no prefix)
-# (one concat, not a chain of ||, which copies the growing string at each step; the CASE keeps ||'s NULL)
-VLLM_TEXT: Final = ("CASE WHEN h.level IS NOT NULL AND h.ts IS NOT NULL AND h.fileinfo IS NOT NULL "
+# (uncut: VLLM_LINE; one concat, not a chain of ||, which copies the growing string at each step; the CASE keeps
+# ||'s NULL)
+VLLM_LINE: Final = ("CASE WHEN h.level IS NOT NULL AND h.ts IS NOT NULL AND h.fileinfo IS NOT NULL "
                     "AND h.msg IS NOT NULL AND (h.pid IS NOT NULL OR coalesce(h.proc, '') = '') "
-                    "THEN left(concat(CASE WHEN h.proc <> '' THEN concat('(', h.proc, ' pid=', h.pid, ') ') END, "
-                    "h.level, ' ', h.ts, ' [', h.fileinfo, '] ', h.msg), 500) END")
+                    "THEN concat(CASE WHEN h.proc <> '' THEN concat('(', h.proc, ' pid=', h.pid, ') ') END, "
+                    "h.level, ' ', h.ts, ' [', h.fileinfo, '] ', h.msg) END")
+VLLM_TEXT: Final = f"left({VLLM_LINE}, 500)"
 
 
 def _classifiers() -> list[tuple[int, str, re.Pattern[str], str | None]]:
