@@ -34,6 +34,9 @@ CS_ORDER: Final = "((j.f::HUGEINT << 96) + (j.n::HUGEINT << 48) + j.sub)"
 _STAT_NUMBERS: Final = ("ttft_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
                         "output_num_tokens")
 
+# a proxy request's last line: the last of its own lines, its stored handle and a "not caching" line naming no
+# request
+_PX_LAST: Final = "greatest(p.last_seq, p.stored_seq, CASE WHEN nc.by_conv THEN nc.seq END)"
 
 def _first(expr: str, order: str, where: str) -> str:
     return f"arg_min({expr}, {order}) FILTER (WHERE {where})"
@@ -90,11 +93,10 @@ def facts_sql() -> list[str]:
         *(f"ALTER TABLE ev_facts DROP COLUMN {c}" for c in _DEC_COLUMNS),
         # ---- the proxy's request (engine_join folds its lines into px_slot; a line's place is its ref): the last
         # line is the last of its own lines, its stored handle and a "not caching" line naming no request
-        """CREATE TEMP VIEW px_facts AS
+        f"""CREATE TEMP VIEW px_facts AS
             SELECT p.sid, p.rid AS px_rid, p.seq AS px_seq, p.lookup AS px_lookup, p.stored_seq,
               p.head_age AS px_age, p.head_ttl AS px_ttl, p.first_ref AS px_first,
-              greatest(p.last_seq, p.stored_seq, CASE WHEN nc.by_conv THEN nc.seq END) AS px_last,
-              (greatest(p.last_seq, p.stored_seq, CASE WHEN nc.by_conv THEN nc.seq END) >> 40)::INTEGER AS px_last_f,
+              {_PX_LAST} AS px_last, ({_PX_LAST} >> 40)::INTEGER AS px_last_f,
               p.first_ts AS px_first_ts, p.sending AS px_sending, p.miss AS px_miss, p.prefill_ms AS px_prefill_ms,
               p.done AS px_done, p.failed_why AS px_failed_why, p.failed_ref AS px_failed_ref,
               p.withheld AS px_withheld, p.withheld_why AS px_withheld_why, p.stored_seq AS px_stored,

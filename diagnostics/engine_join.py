@@ -211,6 +211,9 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
     turn's facts read of them (a line's place ``seq`` is its ref)."""
     failed = "kind IN ('prefill_failed', 'decode_failed')"
     defining = "kind IN ('sending', 'miss', 'no_handle') AND cconv IS NOT NULL"
+    # why the proxy withheld D's blocks: said on the history line before the request, else on its miss line
+    by_head = "d.kind IN ('miss', 'no_handle') AND h.kind = 'miss_head' AND h.why IS NOT NULL"
+    by_line = "d.kind = 'miss' AND d.why IS NOT NULL"
     return [
         # a request's defining line (sending / miss / no_handle) takes the HIT, stale or history line logged
         # just before it for its conversation (head_seq)
@@ -244,10 +247,8 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
               CASE WHEN h.kind IN ('hit', 'stale') THEN h.age END AS head_age,
               CASE WHEN h.kind = 'stale' THEN h.ttl END AS head_ttl,
               r.def_seq,
-              CASE WHEN d.kind IN ('miss', 'no_handle') AND h.kind = 'miss_head' AND h.why IS NOT NULL
-                   THEN 'head' WHEN d.kind = 'miss' AND d.why IS NOT NULL THEN 'line' END AS withheld,
-              CASE WHEN d.kind IN ('miss', 'no_handle') AND h.kind = 'miss_head' AND h.why IS NOT NULL
-                   THEN h.why WHEN d.kind = 'miss' AND d.why IS NOT NULL THEN d.why END AS withheld_why,
+              CASE WHEN {by_head} THEN 'head' WHEN {by_line} THEN 'line' END AS withheld,
+              CASE WHEN {by_head} THEN h.why WHEN {by_line} THEN d.why END AS withheld_why,
               CASE WHEN c.seq > r.seq THEN c.seq END AS stored_seq,
               r.first_ts, r.last_seq, r.sending, r.miss, r.prefill_ms, r.done, r.failed_why, r.failed_ref
             FROM r LEFT JOIN cached c ON c.rid = r.rid LEFT JOIN px_def d ON d.seq = r.def_seq
