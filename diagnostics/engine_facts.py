@@ -116,18 +116,24 @@ def facts_sql() -> list[str]:
 
 
 def _stats_sql() -> str:
-    """Each turn's numbers from its last client statistic (of each that has one) and the last one's ref. Most
-    turns have one statistic: only the others are aggregated (grouping every turn cost twice as much)."""
+    """Each turn's numbers from its last client statistic (of each that has one) and the last one's ref."""
     cols = ", ".join(_STAT_NUMBERS)
     last = ", ".join(f"arg_max(j.{c}, {CS_ORDER}) AS {c}" for c in _STAT_NUMBERS)
     # (a NULL sid joins no turn; without it, NOT IN below cannot meet a NULL)
     return f"""WITH j AS (SELECT s.sid, cs.f, cs.n, cs.sub, {", ".join(f"cs.{c}" for c in _STAT_NUMBERS)}
                             FROM cs_slot s JOIN cs USING (f, n, sub) WHERE s.sid IS NOT NULL),
-                      m AS (SELECT sid FROM j GROUP BY sid HAVING count(*) > 1)
-                    SELECT sid, {cols}, (f::BIGINT << 40) + n AS ref FROM j WHERE sid NOT IN (SELECT sid FROM m)
-                    UNION ALL SELECT j.sid, {last}, max((j.f::BIGINT << 40) + j.n) FROM j
-                    WHERE j.sid IN (SELECT sid FROM m) GROUP BY j.sid"""
+                      {_one_or_grouped("c", "j", f"{cols}, (f::BIGINT << 40) + n AS ref",
+                                       f"{last}, max((j.f::BIGINT << 40) + j.n) AS ref")}
+                    SELECT * FROM c"""
 
+
+def _one_or_grouped(name: str, rows: str, single: str, grouped: str) -> str:
+    """WITH items ``<name>_multi`` and ``<name>``: one row per sid of ``rows``, a sid with one row taking
+    ``single`` (its columns as they are: an aggregate of one value is the value), one with several ``grouped``
+    (the aggregates). Grouping every sid costs about twice as much, and most have one row."""
+    return (f"{name}_multi AS (SELECT sid FROM {rows} GROUP BY sid HAVING count(*) > 1), "
+            f"{name} AS (SELECT sid, {grouped} FROM {rows} WHERE sid IN (SELECT sid FROM {name}_multi) GROUP BY sid "
+            f"UNION ALL SELECT sid, {single} FROM {rows} WHERE sid NOT IN (SELECT sid FROM {name}_multi))")
 
 def _ev_fact_specs() -> list[tuple[str, str, str, str]]:
     """(column, how, value, where) of ``ev_facts``: how is ``first`` / ``last`` (the value of the first / last
@@ -294,9 +300,7 @@ def _vl_facts_sql() -> str:
                WHEN v.kind = 'generated_response' AND v.finish_reason IN ('error', 'abort')
                  THEN 'finish_reason=' || v.finish_reason END AS fwhy
         FROM vl_slot s JOIN vl v USING (f, n)),
-      multi AS (SELECT sid FROM v GROUP BY sid HAVING count(*) > 1),
-      a AS (SELECT sid, {aggregated} FROM v WHERE sid IN (SELECT sid FROM multi) GROUP BY sid
-        UNION ALL SELECT sid, {per_line} FROM v WHERE sid NOT IN (SELECT sid FROM multi)),
+      {_one_or_grouped("a", "v", per_line, aggregated)},
       h AS (SELECT *, CASE WHEN last_wait IS NOT NULL AND NOT coalesce(completed, false)
                             AND NOT coalesce(last_recv > last_wait, false) THEN last_wait END AS p_hung FROM a)
       SELECT sid, p_first_ref, p_refs3, p_decl, coalesce(p_nixl_ctx, p_nixl_any) AS p_nixl,
