@@ -31,7 +31,7 @@ from typing import Any
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from vllm_harness.testbed import real_vllm_testbed
+from vllm_harness.testbed import real_vllm_testbed, run_retrying_handshake
 
 from kvdiag.cli.main import cli
 from kvdiag.diagnostics.report import build_turn_table, load_turn_table, normalize_table
@@ -83,19 +83,19 @@ def _run_testbed(tmp: Path, plans: tuple[ConversationPlan, ...], p_flags: list[s
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """P at DEBUG, D with a 6 s TTL: the four conversations of PLANS."""
-    tmp = tmp_path_factory.mktemp("real_vllm")
-    _run_testbed(tmp, PLANS, ["--log-level", "debug", "--decoder-kv-blocks-ttl", str(D_TTL_S)],
-                 ["--decoder-kv-blocks-ttl", str(D_TTL_S)])
-    return tmp
+    return run_retrying_handshake(
+        lambda: tmp_path_factory.mktemp("real_vllm"),
+        lambda tmp: _run_testbed(tmp, PLANS, ["--log-level", "debug", "--decoder-kv-blocks-ttl", str(D_TTL_S)],
+                                 ["--decoder-kv-blocks-ttl", str(D_TTL_S)]))
 
 
 @pytest.fixture(scope="module")
 def d_off_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """bidirectional_kv_xfer off on D only (both at INFO): D returns no kv_transfer_params at finish."""
-    tmp = tmp_path_factory.mktemp("real_vllm_d_off")
-    _run_testbed(tmp, (ConversationPlan("real-d-off", (TurnPlan(), TurnPlan(), TurnPlan())),),
-                 [], ["--no-bidirectional"])
-    return tmp
+    return run_retrying_handshake(
+        lambda: tmp_path_factory.mktemp("real_vllm_d_off"),
+        lambda tmp: _run_testbed(tmp, (ConversationPlan("real-d-off", (TurnPlan(), TurnPlan(), TurnPlan())),),
+                                 [], ["--no-bidirectional"]))
 
 
 # What each turn of each plan is meant to be. On a loaded machine a back-to-back turn can reach P

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness.testbed import real_vllm_testbed
+from vllm_harness.testbed import real_vllm_testbed, run_retrying_handshake
 
 from kvdiag.diagnostics.turn_loader import load_turns
 from kvdiag.schema.events import read_events
@@ -51,9 +51,7 @@ def _workload(url: str, out: Path, plans: tuple[ConversationPlan, ...], name: st
     return result.status_counts()
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("real_vllm_info")
+def _run(out: Path) -> None:
     flags = ["--log-stats-interval", f"{INTERVAL_S:g}"]
     started = time.monotonic()
     with real_vllm_testbed(out, p_flags=flags, d_flags=flags, router_flags=["--proxy-log", str(out / "proxy.log")],
@@ -71,7 +69,11 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (out / f"client-stats-{name}.json").read_text())]
     (out / "client-stats.json").write_text(json.dumps(stats, indent=2))
     (out / "runtime.txt").write_text(f"{time.monotonic() - started:.1f}\n")
-    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_retrying_handshake(lambda: tmp_path_factory.mktemp("real_vllm_info"), _run)
 
 
 def _truth(out: Path) -> dict[str, tuple[str, int, str]]:

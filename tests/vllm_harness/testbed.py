@@ -6,7 +6,7 @@ its own process group, announces itself through its ready file and is stopped gr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +15,10 @@ from kvdiag.demo.processes import Component
 
 ENGINE_READY_TIMEOUT_S = 120.0  # vLLM's imports alone take ~10 s on a loaded 2-core machine
 ROUTER_READY_TIMEOUT_S = 30.0
+# vLLM's NIXL worker gives the peer's side channel a fixed 5 s to answer its handshake (zmq RCVTIMEO) and
+# logs this failure type when it does not: a loaded 2-core machine sometimes misses it, before kvdiag runs.
+HANDSHAKE_FAILED = "handshake_setup_failed"
+HANDSHAKE_ATTEMPTS = 2
 
 
 @dataclass
@@ -64,3 +68,31 @@ def real_vllm_testbed(tmp: Path, *, p_flags: Sequence[str] = (), d_flags: Sequen
                 failures.append(exc)
         if failures:
             raise failures[0]
+
+
+def handshake_failed(tmp: Path) -> bool:
+    """Whether P's or D's vLLM log in ``tmp`` records a failed NIXL handshake."""
+    for role in ("prefill", "decode"):
+        log = tmp / f"{role}.log"
+        if log.exists() and HANDSHAKE_FAILED in log.read_text(errors="replace"):
+            return True
+    return False
+
+
+def run_retrying_handshake(new_dir: Callable[[], Path], run: Callable[[Path], None],
+                           attempts: int = HANDSHAKE_ATTEMPTS) -> Path:
+    """``run`` a testbed scenario in a fresh ``new_dir()``; return that directory.
+
+    Only a failure that comes with vLLM's own handshake timeout in the logs is run again, in a new directory
+    (a partial run's lines must not mix with the next); any other failure, and the last attempt's, propagates.
+    """
+    for attempt in range(1, attempts + 1):
+        tmp = new_dir()
+        try:
+            run(tmp)
+        except Exception:
+            if attempt == attempts or not handshake_failed(tmp):
+                raise
+            continue
+        return tmp
+    raise ValueError("attempts must be at least 1")

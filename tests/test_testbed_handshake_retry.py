@@ -1,0 +1,80 @@
+"""The real-vLLM testbed runs a scenario again only when vLLM itself logged a failed NIXL handshake."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+from vllm_harness.testbed import HANDSHAKE_FAILED, handshake_failed, run_retrying_handshake
+
+# a line as vLLM's NIXL worker writes it when the peer's side channel misses its 5 s answer
+TIMED_OUT = ("ERROR 12-01 20:28:26 [base_worker.py:1375] NIXL transfer failure: handshake_setup_failed | "
+             "Context: {'failure_type': 'handshake_setup_failed', 'request_id': None, 'engine_id': 'e0'}\n"
+             "Traceback (most recent call last):\nzmq.error.Again: Resource temporarily unavailable\n")
+
+
+def _dirs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    counter = itertools.count()
+
+    def new_dir() -> Path:
+        d = tmp_path / f"attempt{next(counter)}"
+        d.mkdir()
+        return d
+    return new_dir
+
+
+def test_the_failure_type_is_the_one_installed_vllm_logs() -> None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.fail("vLLM is not installed: run `make vllm-env`")
+    source = Path(spec.origin).parent / "distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py"
+    assert f'failure_type="{HANDSHAKE_FAILED}"' in source.read_text()
+
+
+def test_a_handshake_timeout_is_run_again_in_a_fresh_directory(tmp_path: Path) -> None:
+    seen: list[Path] = []
+
+    def run(d: Path) -> None:
+        seen.append(d)
+        if len(seen) == 1:
+            (d / "decode.log").write_text("INFO started\n" + TIMED_OUT)
+            raise AssertionError({"ok": 2, "error": 1})
+        (d / "decode.log").write_text("INFO started\n")
+
+    got = run_retrying_handshake(_dirs(tmp_path), run)
+    assert got == seen[1] != seen[0]
+    assert handshake_failed(seen[0]) and not handshake_failed(got)
+
+
+def test_any_other_failure_is_not_retried(tmp_path: Path) -> None:
+    calls = []
+
+    def run(d: Path) -> None:
+        calls.append(d)
+        (d / "prefill.log").write_text("ERROR something else broke\n")
+        raise AssertionError({"ok": 2, "error": 1})
+
+    with pytest.raises(AssertionError):
+        run_retrying_handshake(_dirs(tmp_path), run)
+    assert len(calls) == 1
+
+
+def test_the_last_attempt_failure_propagates(tmp_path: Path) -> None:
+    calls = []
+
+    def run(d: Path) -> None:
+        calls.append(d)
+        (d / "prefill.log").write_text(TIMED_OUT)
+        raise AssertionError("still failing")
+
+    with pytest.raises(AssertionError, match="still failing"):
+        run_retrying_handshake(_dirs(tmp_path), run, attempts=2)
+    assert len(calls) == 2
+
+
+def test_a_first_success_runs_once(tmp_path: Path) -> None:
+    calls = []
+    got = run_retrying_handshake(_dirs(tmp_path), calls.append)
+    assert calls == [got]
