@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ TIMED_OUT = ("ERROR 12-01 20:28:26 [base_worker.py:1375] NIXL transfer failure: 
              "Traceback (most recent call last):\nzmq.error.Again: Resource temporarily unavailable\n")
 
 
-def _dirs(tmp_path: Path):  # type: ignore[no-untyped-def]
+def _dirs(tmp_path: Path) -> Callable[[], Path]:
     counter = itertools.count()
 
     def new_dir() -> Path:
