@@ -327,12 +327,23 @@ _CONV_C: Final = "substr(msg, 6, strpos(msg, ': ') - 6)"
 _AFTER_CONV: Final = "substr(msg, strpos(msg, ']') + 7)"
 _CONV_B: Final = f"left({_AFTER_CONV}, strpos({_AFTER_CONV}, ': ') - 1)"
 _AFTER_MISS: Final = f"substr({_AFTER_CONV}, strpos({_AFTER_CONV}, ': cache MISS') + 12)"
+
+
+def _after_id(text: str, literal: str, end: str) -> str:
+    """The group after the id that starts ``text`` and the ``literal`` that follows the id (its first ": "), up
+    to the first ``end``: the id may hold the literal's last words (``(remote_request_id=``), never its ": "."""
+    after = f"substr({text}, strpos({text}, ': ') + {len(literal)})"
+    return f"left({after}, strpos({after}, {sql_str(end)}) - 1)"
+
+
 _PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
     "stale": {"conv": _CONV_C, "age": _between(": stale cache entry (age=", "s"), "ttl": _between(" > ttl=", "s")},
     "hit": {"conv": _CONV_C, "age": _between(": cache HIT (age=", "s")},
-    "cached": {"conv": _CONV_C, "remote": _between("(remote_request_id=", ","), "blocks": _between(", blocks=", ")")},
+    "cached": {"conv": _CONV_C, "remote": _after_id("msg", ": cached D blocks (remote_request_id=", ","),
+               "blocks": _between(", blocks=", ")")},
     "no_conversation_id": {"rid": _RID},
-    "sending": {"rid": _RID, "conv": _CONV_B, "remote": _between("(remote_request_id=", ")")},
+    "sending": {"rid": _RID, "conv": _CONV_B,
+                "remote": _after_id(_AFTER_CONV, ": sending D's cached blocks to P (remote_request_id=", ")")},
     "no_handle": {"rid": _RID, "conv": _CONV_B},
     "prefill_done": {"rid": _RID, "ms": _between("] Prefill done in ", "m")},
     "prefill_failed": {"rid": _RID, "detail": _between("] Prefill request failed: ", None)},

@@ -19,8 +19,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
 HEAD = "2025-11-29 06:55:00 [INFO] disagg_proxy: "
 # a request id may hold ": ", " conv=", ": cache MISS" and "[" (only "]" ends it); a conversation id any
 # character but whitespace (":", "]", ")", ",", "(" included)
-RIDS = ["r1", "a: b", "x] conv=y: cache MISS", "[q: r", "é: ü", "k) (age=1s", "z, blocks=3)"]
-CONVS = ["c1", "a:b", "x]y", "p(q)", "a,b", "é:]", "conv=d:", "m:s"]
+RIDS = ["r1", "a: b", "x] conv=y: cache MISS", "[q: r", "é: ü", "k) (age=1s", "z, blocks=3)", "(remote_request_id=q"]
+CONVS = ["c1", "a:b", "x]y", "p(q)", "a,b", "é:]", "conv=d:", "m:s", "x(remote_request_id=y", "(remote_request_id=z,"]
 ADVERSARIAL = [
     *(f"[{r}] conv={c}: cache MISS" for r in RIDS for c in CONVS),
     *(f"[{r}] conv={c}: cache MISS (prefix changed: x)" for r in RIDS for c in CONVS),
