@@ -216,10 +216,13 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
     by_line = "d.kind = 'miss' AND d.why IS NOT NULL"
     return [
         # a request's defining line (sending / miss / no_handle) takes the HIT, stale or history line logged
-        # just before it for its conversation (head_seq)
+        # just before it for its conversation (head_seq). (The window sorts the lines' places alone; the defining
+        # lines' ids are joined back after: sorting them with the window cost more.)
         f"""CREATE TEMP TABLE px_def AS SELECT * FROM (
-              SELECT seq, kind, cconv, rid, remote, why, lag(seq) OVER (PARTITION BY cconv ORDER BY seq) AS head_seq
-              FROM pl WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL)
+              SELECT p.seq, p.kind, p.cconv, p.rid, p.remote, p.why, w.head_seq FROM (
+                SELECT seq, lag(seq) OVER (PARTITION BY cconv ORDER BY seq) AS head_seq FROM pl
+                WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL) w
+              JOIN pl p USING (seq))
             WHERE {defining} AND rid IS NOT NULL""",
         # one pass over the lines naming each request's id (the first is where it starts, the last defining one
         # decides its lookup, as correlate overwrites it); the last "cached D blocks" line naming it as its

@@ -310,33 +310,46 @@ def _rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str |
 
 
 def _between(start: str, end: str | None) -> str:
-    """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end)."""
+    """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end); the
+    pattern that classified the line proves an ``end`` follows."""
     after = f"substr(msg, strpos(msg, {sql_str(start)}) + {len(start)})"
-    return after if end is None else f"split_part({after}, {sql_str(end)}, 1)"
+    return after if end is None else f"left({after}, strpos({after}, {sql_str(end)}) - 1)"
 
 
 # Groups of the common proxy lines cut out by position: the kind's pattern (matched without captures, which
 # RE2 runs several times faster) proves the shape, and each group then ends at the first character its
 # class excludes (a space for conversation ids, "]" for request ids, a letter for numbers). The rest are
 # extracted by their pattern.
-_RID: Final = _between("[", "]")
-_AFTER_CONV: Final = "substr(msg, strpos(msg, '] conv=') + 7)"
+_RID: Final = "substr(msg, 2, strpos(msg, ']') - 2)"  # the message starts with "[", the id holds no "]"
+# a conversation id holds no space: it ends at the message's first ": " (a "conv=" message), or at the first
+# ": " after the request id (which may hold one)
+_CONV_C: Final = "substr(msg, 6, strpos(msg, ': ') - 6)"
+_AFTER_CONV: Final = "substr(msg, strpos(msg, ']') + 7)"
+_CONV_B: Final = f"left({_AFTER_CONV}, strpos({_AFTER_CONV}, ': ') - 1)"
 _AFTER_MISS: Final = f"substr({_AFTER_CONV}, strpos({_AFTER_CONV}, ': cache MISS') + 12)"
+
+
+def _after_id(text: str, literal: str, end: str) -> str:
+    """The group after the id that starts ``text`` and the ``literal`` that follows the id (its first ": "), up
+    to the first ``end``: the id may hold the literal's last words (``(remote_request_id=``), never its ": "."""
+    after = f"substr({text}, strpos({text}, ': ') + {len(literal)})"
+    return f"left({after}, strpos({after}, {sql_str(end)}) - 1)"
+
+
 _PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
-    "stale": {"conv": _between("conv=", ": stale cache entry (age="),
-              "age": _between(": stale cache entry (age=", "s"), "ttl": _between(" > ttl=", "s")},
-    "hit": {"conv": _between("conv=", ": cache HIT (age="), "age": _between(": cache HIT (age=", "s")},
-    "cached": {"conv": _between("conv=", ": cached D blocks (remote_request_id="),
-               "remote": _between("(remote_request_id=", ","), "blocks": _between(", blocks=", ")")},
+    "stale": {"conv": _CONV_C, "age": _between(": stale cache entry (age=", "s"), "ttl": _between(" > ttl=", "s")},
+    "hit": {"conv": _CONV_C, "age": _between(": cache HIT (age=", "s")},
+    "cached": {"conv": _CONV_C, "remote": _after_id("msg", ": cached D blocks (remote_request_id=", ","),
+               "blocks": _between(", blocks=", ")")},
     "no_conversation_id": {"rid": _RID},
-    "sending": {"rid": _RID, "conv": _between("] conv=", ": sending D's cached blocks to P ("),
-                "remote": _between("(remote_request_id=", ")")},
-    "no_handle": {"rid": _RID, "conv": _between("] conv=", ": no D-to-P handle offered")},
+    "sending": {"rid": _RID, "conv": _CONV_B,
+                "remote": _after_id(_AFTER_CONV, ": sending D's cached blocks to P (remote_request_id=", ")")},
+    "no_handle": {"rid": _RID, "conv": _CONV_B},
     "prefill_done": {"rid": _RID, "ms": _between("] Prefill done in ", "m")},
     "prefill_failed": {"rid": _RID, "detail": _between("] Prefill request failed: ", None)},
     "decode_failed": {"rid": _RID, "detail": _between("] Decode request failed: ", None)},
     # "cache MISS" then, optionally, " (why)": the why ends at the first ")" ('' is no why)
-    "miss": {"rid": _RID, "conv": _between("] conv=", ": cache MISS"),
+    "miss": {"rid": _RID, "conv": _CONV_B,
              "why": "CASE WHEN starts_with(mw, ' (') AND strpos(substr(mw, 3), ')') > 0 THEN nullif(split_part("
                     "substr(mw, 3), ')', 1), '') END".replace("mw", _AFTER_MISS)},
 }
@@ -362,7 +375,7 @@ def parse_proxy_sql() -> list[str]:
              for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS)]
     fields = []
     for name in _PROXY_NAMES:
-        whens = []
+        by_value: dict[str, list[int]] = {}
         for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS):
             if name not in regex.groupindex:
                 continue
@@ -372,8 +385,10 @@ def parse_proxy_sql() -> list[str]:
                 # regexp_extract gives '' for a group that took no part: an optional group's '' is no value
                 value = f"regexp_extract(msg, {sql_str(_re2(regex))}, {regex.groupindex[name]})"
                 value = f"nullif({value}, '')" if name in _optional_groups(regex) else value
-            whens.append(f"WHEN {i} THEN {value}")
-        fields.append(f"CASE k {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
+            by_value.setdefault(value, []).append(i)
+        # (the kinds that cut a group alike in one branch)
+        whens = [f"WHEN k IN ({', '.join(map(str, ks))}) THEN {value}" for value, ks in by_value.items()]
+        fields.append(f"CASE {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
     # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message;
     # the time and level hold no ": ", so the first is the one after the name

@@ -1,0 +1,91 @@
+"""The proxy groups the engine cuts by position equal the proxy parser's groups, on ids built to trip a cut.
+
+A cut finds a group's end by the first ``]`` or ``": "`` after a place the classifier's pattern fixes; ids
+holding those characters (where the pattern allows them) are where a wrong cut would show.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from kvdiag.diagnostics import engine_parse as ep
+from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
+HEAD = "2025-11-29 06:55:00 [INFO] disagg_proxy: "
+# a request id may hold ": ", " conv=", ": cache MISS" and "[" (only "]" ends it); a conversation id any
+# character but whitespace (":", "]", ")", ",", "(" included)
+RIDS = ["r1", "a: b", "x] conv=y: cache MISS", "[q: r", "é: ü", "k) (age=1s", "z, blocks=3)", "(remote_request_id=q"]
+CONVS = ["c1", "a:b", "x]y", "p(q)", "a,b", "é:]", "conv=d:", "m:s", "x(remote_request_id=y", "(remote_request_id=z,"]
+ADVERSARIAL = [
+    *(f"[{r}] conv={c}: cache MISS" for r in RIDS for c in CONVS),
+    *(f"[{r}] conv={c}: cache MISS (prefix changed: x)" for r in RIDS for c in CONVS),
+    *(f"[{r}] conv={c}: sending D's cached blocks to P (remote_request_id=cmpl-{r}-1)" for r in RIDS for c in CONVS),
+    *(f"[{r}] conv={c}: no D-to-P handle offered" for r in RIDS for c in CONVS),
+    *(f"[{r}] Prefill done in 1.5ms" for r in RIDS),
+    *(f"[{r}] Prefill request failed: boom: x] y" for r in RIDS),
+    *(f"conv={c}: cache HIT (age=3.5s)" for c in CONVS),
+    *(f"conv={c}: stale cache entry (age=9.0s > ttl=4.5s), discarding" for c in CONVS),
+    *(f"conv={c}: cached D blocks (remote_request_id=chatcmpl-{c}-1, blocks=7)" for c in CONVS),
+    "conv=c: cached D blocks (remote_request_id=a(b, blocks=7)", "[r] conv=c: cache MISS ()",
+    "[r] conv=c: cache MISS (why", "[r]] conv=c: cache MISS", "[] conv=c: cache MISS", "conv=: cache HIT (age=1s)",
+    "conv=a b: cache HIT (age=1s)", "[r] conv=a b: cache MISS", "[r] Prefill done in ms",
+]
+
+
+def _pl(lines: list[str]) -> dict[int, tuple[object, ...]]:
+    con = duckdb.connect()
+    ep.create_line_tables(con)
+    table, _ = ep.lines_arrow(0, list(enumerate(lines, start=1)), LineStats(), "proxy.log")
+    con.register("new_lines", table)
+    con.execute("INSERT INTO lines_proxy SELECT * FROM new_lines")
+    for q in ep.parse_proxy_sql():
+        con.execute(q)
+    rows = con.execute("SELECT n, kind, rid, conv, remote, age, ttl, nullif(why, ''), ms, detail, blocks, p, d, ts "
+                       "FROM pl").fetchall()
+    return {row[0]: row[1:] for row in rows}
+
+
+def _want(lines: list[str]) -> dict[int, tuple[object, ...]]:
+    want = {}
+    for rec in parse_proxy_numbered(list(enumerate(lines, start=1)), "proxy.log"):
+        fl = rec.fields
+        want[rec.lineno] = (rec.kind, fl.get("rid"), fl.get("conv"), fl.get("remote"), fl.get("age"), fl.get("ttl"),
+                            fl.get("why") or None, fl.get("ms"), fl.get("detail"), fl.get("blocks"), fl.get("p"),
+                            fl.get("d"), rec.ts)
+    return want
+
+
+def _fixture_lines() -> list[str]:
+    return [line.rstrip("\r") for path in sorted(FIXTURES.rglob("proxy*.log"))
+            for line in path.read_text(encoding="utf-8", errors="replace").split("\n") if line]
+
+
+def test_cut_groups_equal_the_parser_on_adversarial_ids() -> None:
+    lines = [HEAD + m for m in ADVERSARIAL]
+    want = _want(lines)
+    assert len(want) > 250  # nearly every line above is one the patterns accept
+    assert _pl(lines) == want
+
+
+def test_cut_groups_equal_the_parser_on_the_fixture_logs() -> None:
+    lines = _fixture_lines()
+    want = _want(lines)
+    assert len(want) > 100
+    assert _pl(lines) == want
+
+
+@pytest.mark.parametrize(("kind", "group", "wrong"), [
+    # the negative controls: a conversation id cut at the message's first ": " (a request id may hold one),
+    # a request id cut at the last "]" instead of the first
+    ("miss", "conv", "substr(msg, strpos(msg, ': ') - 1)"),
+    ("miss", "rid", "substr(msg, 2, length(msg) - strpos(reverse(msg), ']') - 1)"),
+])
+def test_a_wrong_cut_is_caught(monkeypatch: pytest.MonkeyPatch, kind: str, group: str, wrong: str) -> None:
+    lines = [HEAD + m for m in ADVERSARIAL]
+    monkeypatch.setitem(ep._PROXY_CUTS[kind], group, wrong)
+    assert _pl(lines) != _want(lines)
