@@ -357,7 +357,8 @@ def add_document(run: Run, f: int) -> None:
 def parse(run: Run) -> None:
     """Lines into record tables (engine_parse), odd JSON lines through json_logs."""
     many = run.con.execute("SELECT count(*) FROM lines_vllm").fetchall()[0][0] >= ep.ASCII_BRANCH_MIN_LINES
-    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many)):
+    stats = any(lf.fmt == "client_stats" for lf in run.files)
+    for q in (*ep.parse_json_sql(stats=stats), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many)):
         execute(run, q)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
     words = [w for (w,) in run.con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
