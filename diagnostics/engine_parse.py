@@ -177,27 +177,55 @@ _STAT_ROW: Final = "json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGI
 
 def parse_json_sql(*, stats: bool = True) -> list[str]:
     """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read. With
-    ``stats`` (some input is a client statistics file) each line is typed by the one schema its keys call for
-    in the same pass; without, every line by the event schema (the few other objects' lines typed after)."""
+    ``stats`` (some input is a client statistics file) the key list tells each line's schema first, and only
+    the events' lines are typed as events; without, every line is typed as an event in the pass that lists its
+    keys (the few other objects' lines typed after)."""
     keys = _in(FIELD_NAMES)
     t = _trimmed("line")
     lines = f"(SELECT f, n, {t} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''"
+    # (a key list is kept as its 64-bit hash: a list or its JSON text per line costs as much as the parse; a
+    # NULL hash is a line that is no JSON object (TRY), one json_logs must read)
+    event_columns = f"""f, n, NULL::VARCHAR AS text,
+              {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
+              CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
+                   THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
+              CASE WHEN json_type(j.attrs, '$.block_size') IN ('BIGINT', 'UBIGINT')
+                   THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
+              CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
+                   THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
+              k, {_event_ok()} AS ok"""
     if stats:
-        # the key list tells an event from a statistic per line: the statistics' lines (most of a stock run's)
-        # skip the event schema, and are typed here rather than joined back to their lines and parsed again
-        typed = f"""(SELECT f, n, k, CASE WHEN is_event THEN from_json(t, '{_EVENT_SCHEMA}') END AS j,
-                    CASE WHEN NOT is_event THEN from_json(t, '{_STAT_SCHEMA}') END AS s
-                  FROM (SELECT f, n, t, CASE WHEN kl IS NOT NULL THEN hash(kl) END AS k,
-                          {_HAS_EVENT_KEYS.format('kl')} AS is_event
-                        FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
-                              FROM {lines})))"""
-        stat_rows = f"SELECT f, n, {_STAT_COLUMNS} FROM ev WHERE {_STAT_ROW}"
+        keyed = "jl"
+        parsed = [
+            # each line's key list, and a statistic typed in the same pass (a stock run's lines are mostly
+            # statistics: they never meet the event schema nor carry its columns)
+            f"""CREATE TEMP TABLE jl AS SELECT f, n, k, is_event,
+                  CASE WHEN NOT is_event THEN from_json(t, '{_STAT_SCHEMA}') END AS s
+                FROM (SELECT f, n, t, CASE WHEN kl IS NOT NULL THEN hash(kl) END AS k,
+                        {_HAS_EVENT_KEYS.format('kl')} AS is_event
+                      FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
+                            FROM {lines}))""",
+            # the events' lines typed (the CASE on the joined side keeps the parse after the join)
+            f"""CREATE TEMP TABLE ev AS SELECT {event_columns}
+                FROM (SELECT l.f, l.n, jl.k, from_json(CASE WHEN jl.is_event THEN {t} END, '{_EVENT_SCHEMA}') AS j
+                      FROM lines_json l JOIN jl USING (f, n) WHERE jl.is_event)""",
+        ]
+        # lines that are no JSON object, and the events the checks reject
+        odd = """SELECT f, n FROM jl WHERE k IS NULL
+              UNION ALL SELECT e.f, e.n FROM ev e JOIN jk USING (k) WHERE jk.is_event AND NOT (jk.known AND e.ok)"""
+        stat_rows = f"SELECT f, n, {_STAT_COLUMNS} FROM jl WHERE {_STAT_ROW}"
     else:
-        # (events alone: a per-line test and a NULL statistics column cost more than the few other objects'
-        # second parse)
-        typed = f"""(SELECT f, n, k, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
-                  FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k
-                        FROM {lines}))"""
+        keyed = "ev"
+        parsed = [
+            # every JSON object typed by the event schema and its keys listed, in one pass over the lines (a copy
+            # of their text for a second pass cost more than either parse)
+            f"""CREATE TEMP TABLE ev AS SELECT {event_columns}
+                FROM (SELECT f, n, k, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
+                      FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k
+                            FROM {lines}))""",
+        ]
+        odd = """SELECT e.f, e.n FROM ev e LEFT JOIN jk USING (k)
+              WHERE e.k IS NULL OR (jk.is_event AND NOT (jk.known AND e.ok))"""
         # (the CASE on the joined side keeps the parse after the join: the filter on its result was pushed below
         # it, onto every line)
         stat_rows = f"""SELECT f, n, {_STAT_COLUMNS}
@@ -206,37 +234,24 @@ def parse_json_sql(*, stats: bool = True) -> list[str]:
                   USING (f, n))
             WHERE {_STAT_ROW}"""
     return [
-        # every JSON object typed and its keys listed, in one pass over the lines (a copy of their text for a
-        # second pass cost more than either parse). The key list is kept as its 64-bit hash (a list or its JSON
-        # text per line costs as much as the parse); a NULL hash is a line that is no JSON object (TRY), one
-        # json_logs must read.
-        f"""CREATE TEMP TABLE ev AS SELECT f, n, NULL::VARCHAR AS text,
-              {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
-              CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
-                   THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
-              CASE WHEN json_type(j.attrs, '$.block_size') IN ('BIGINT', 'UBIGINT')
-                   THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
-              CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
-                   THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
-              k, {_event_ok()} AS ok{', s' if stats else ''}
-            FROM {typed}""",
+        *parsed,
         # the key lists are few: each is checked once, on the first line that has it (rows of ev that are no
         # vouched-for event are deleted below)
         f"""CREATE TEMP TABLE jk AS SELECT k, {_HAS_EVENT_KEYS.format('kl')} AS is_event,
               list_has_all([{keys}], kl) AS known
-            FROM (SELECT r.k, json_keys({t}) AS kl FROM (SELECT k, min((f::BIGINT << 40) + n) AS ref FROM ev
+            FROM (SELECT r.k, json_keys({t}) AS kl FROM (SELECT k, min((f::BIGINT << 40) + n) AS ref FROM {keyed}
                   WHERE k IS NOT NULL GROUP BY k) r
                   JOIN lines_json l ON l.f = (r.ref >> 40)::INTEGER AND l.n = r.ref & ((1::BIGINT << 40) - 1))""",
-        # everything else json_logs reads itself: not an object, an event the checks reject (the few such
-        # lines are looked up, not the many good ones anti-joined)
-        """CREATE TEMP TABLE json_odd AS
-            SELECT l.f, l.n, l.line FROM lines_json l JOIN (SELECT e.f, e.n FROM ev e LEFT JOIN jk USING (k)
-              WHERE e.k IS NULL OR (jk.is_event AND NOT (jk.known AND e.ok))) b USING (f, n)""",
+        # everything else json_logs reads itself (the few such lines are looked up, not the many good ones
+        # anti-joined)
+        f"CREATE TEMP TABLE json_odd AS SELECT l.f, l.n, l.line FROM lines_json l JOIN ({odd}) b USING (f, n)",
         # the other objects' lines as client statistics
         f"CREATE TEMP TABLE cs AS {stat_rows}",
         # what stays is the events the checks vouch for (a NULL check keeps its row, as before)
         """DELETE FROM ev WHERE k IS NULL OR k IN (SELECT k FROM jk WHERE NOT (is_event AND known)) OR NOT ok""",
-        *(f"ALTER TABLE ev DROP COLUMN {c}" for c in ("ok", "k", *(("s",) if stats else ()))),
+        "ALTER TABLE ev DROP COLUMN ok",
+        "ALTER TABLE ev DROP COLUMN k",
+        *(("DROP TABLE jl",) if stats else ()),
     ]
 
 
