@@ -163,16 +163,29 @@ _RTRIM_EOL: Final = ("CASE WHEN ends_with(line, chr(13)) OR ends_with(line, chr(
                      "THEN rtrim(line, chr(13) || chr(10)) ELSE line END")
 
 
-def parse_json_sql() -> list[str]:
-    """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read."""
+_HAS_EVENT_KEYS: Final = "list_contains({0}, 'v') AND list_contains({0}, 'source') AND list_contains({0}, 'event')"
+_STAT_COLUMNS: Final = f"""NULL::VARCHAR AS text,
+              CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
+                   ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
+              {_num('ttft_ms')} AS ttft_ms, {_num('latency_ms')} AS latency_ms,
+              {_num('start_time_ms')} AS start_time_ms, {_int('input_num_turns')} AS input_num_turns,
+              {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
+              CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
+              CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub"""
+_STAT_ROW: Final = "json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')"
+
+
+def parse_json_sql(*, stats: bool = True) -> list[str]:
+    """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read. With
+    ``stats`` (some input is a client statistics file) the key list tells each line's schema first, and only
+    the events' lines are typed as events; without, every line is typed as an event in the pass that lists its
+    keys (the few other objects' lines typed after)."""
     keys = _in(FIELD_NAMES)
     t = _trimmed("line")
-    return [
-        # every JSON object typed by the event schema and its keys listed, in one pass over the lines (a copy of
-        # their text for a second pass cost more than either parse). The key list is kept as its 64-bit hash (a
-        # list or its JSON text per line costs as much as the parse); a NULL hash is a line that is no JSON
-        # object (TRY), one json_logs must read.
-        f"""CREATE TEMP TABLE ev AS SELECT f, n, NULL::VARCHAR AS text,
+    lines = f"(SELECT f, n, {t} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''"
+    # (a key list is kept as its 64-bit hash: a list or its JSON text per line costs as much as the parse; a
+    # NULL hash is a line that is no JSON object (TRY), one json_logs must read)
+    event_columns = f"""f, n, NULL::VARCHAR AS text,
               {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
               CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
                    THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
@@ -180,40 +193,65 @@ def parse_json_sql() -> list[str]:
                    THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
                    THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
-              k, {_event_ok()} AS ok
-            FROM (SELECT f, n, k, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
-                  FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k
-                        FROM (SELECT f, n, {t} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''))""",
-        # the key lists are few: each is checked once, on the first line that has it (rows of ev that are no
-        # vouched-for event are deleted below)
-        f"""CREATE TEMP TABLE jk AS SELECT k, list_contains(kl, 'v') AND list_contains(kl, 'source')
-              AND list_contains(kl, 'event') AS is_event, list_has_all([{keys}], kl) AS known
-            FROM (SELECT r.k, json_keys({t}) AS kl FROM (SELECT k, min((f::BIGINT << 40) + n) AS ref FROM ev
-                  WHERE k IS NOT NULL GROUP BY k) r
-                  JOIN lines_json l ON l.f = (r.ref >> 40)::INTEGER AND l.n = r.ref & ((1::BIGINT << 40) - 1))""",
-        # everything else json_logs reads itself: not an object, an event the checks reject (the few such
-        # lines are looked up, not the many good ones anti-joined)
-        """CREATE TEMP TABLE json_odd AS
-            SELECT l.f, l.n, l.line FROM lines_json l JOIN (SELECT e.f, e.n FROM ev e LEFT JOIN jk USING (k)
-              WHERE e.k IS NULL OR (jk.is_event AND NOT (jk.known AND e.ok))) b USING (f, n)""",
-        # the other objects' lines typed as client statistics (the CASE on the joined side keeps the parse after
-        # the join: the filter on its result was pushed below it, onto every line)
-        f"""CREATE TEMP TABLE cs AS SELECT f, n, NULL::VARCHAR AS text,
-              CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
-                   ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
-              {_num('ttft_ms')} AS ttft_ms, {_num('latency_ms')} AS latency_ms,
-              {_num('start_time_ms')} AS start_time_ms, {_int('input_num_turns')} AS input_num_turns,
-              {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
-              CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
-              CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub
+              k, {_event_ok()} AS ok"""
+    if stats:
+        keyed = "jl"
+        parsed = [
+            # each line's key list, and a statistic typed in the same pass (a stock run's lines are mostly
+            # statistics: they never meet the event schema nor carry its columns)
+            f"""CREATE TEMP TABLE jl AS SELECT f, n, k, is_event,
+                  CASE WHEN NOT is_event THEN from_json(t, '{_STAT_SCHEMA}') END AS s
+                FROM (SELECT f, n, t, CASE WHEN kl IS NOT NULL THEN hash(kl) END AS k,
+                        {_HAS_EVENT_KEYS.format('kl')} AS is_event
+                      FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
+                            FROM {lines}))""",
+            # the events' lines typed (the CASE on the joined side keeps the parse after the join)
+            f"""CREATE TEMP TABLE ev AS SELECT {event_columns}
+                FROM (SELECT l.f, l.n, jl.k, from_json(CASE WHEN jl.is_event THEN {t} END, '{_EVENT_SCHEMA}') AS j
+                      FROM lines_json l JOIN jl USING (f, n) WHERE jl.is_event)""",
+        ]
+        # lines that are no JSON object, and the events the checks reject
+        odd = """SELECT f, n FROM jl WHERE k IS NULL
+              UNION ALL SELECT e.f, e.n FROM ev e JOIN jk USING (k) WHERE jk.is_event AND NOT (jk.known AND e.ok)"""
+        stat_rows = f"SELECT f, n, {_STAT_COLUMNS} FROM jl WHERE {_STAT_ROW}"
+    else:
+        keyed = "ev"
+        parsed = [
+            # every JSON object typed by the event schema and its keys listed, in one pass over the lines (a copy
+            # of their text for a second pass cost more than either parse)
+            f"""CREATE TEMP TABLE ev AS SELECT {event_columns}
+                FROM (SELECT f, n, k, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
+                      FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k
+                            FROM {lines}))""",
+        ]
+        odd = """SELECT e.f, e.n FROM ev e LEFT JOIN jk USING (k)
+              WHERE e.k IS NULL OR (jk.is_event AND NOT (jk.known AND e.ok))"""
+        # (the CASE on the joined side keeps the parse after the join: the filter on its result was pushed below
+        # it, onto every line)
+        stat_rows = f"""SELECT f, n, {_STAT_COLUMNS}
             FROM (SELECT l.f, l.n, from_json(CASE WHEN o.stat THEN {t} END, '{_STAT_SCHEMA}') AS s FROM lines_json l
                   JOIN (SELECT e.f, e.n, NOT jk.is_event AS stat FROM ev e JOIN jk USING (k) WHERE NOT jk.is_event) o
                   USING (f, n))
-            WHERE json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')""",
+            WHERE {_STAT_ROW}"""
+    return [
+        *parsed,
+        # the key lists are few: each is checked once, on the first line that has it (rows of ev that are no
+        # vouched-for event are deleted below)
+        f"""CREATE TEMP TABLE jk AS SELECT k, {_HAS_EVENT_KEYS.format('kl')} AS is_event,
+              list_has_all([{keys}], kl) AS known
+            FROM (SELECT r.k, json_keys({t}) AS kl FROM (SELECT k, min((f::BIGINT << 40) + n) AS ref FROM {keyed}
+                  WHERE k IS NOT NULL GROUP BY k) r
+                  JOIN lines_json l ON l.f = (r.ref >> 40)::INTEGER AND l.n = r.ref & ((1::BIGINT << 40) - 1))""",
+        # everything else json_logs reads itself (the few such lines are looked up, not the many good ones
+        # anti-joined)
+        f"CREATE TEMP TABLE json_odd AS SELECT l.f, l.n, l.line FROM lines_json l JOIN ({odd}) b USING (f, n)",
+        # the other objects' lines as client statistics
+        f"CREATE TEMP TABLE cs AS {stat_rows}",
         # what stays is the events the checks vouch for (a NULL check keeps its row, as before)
         """DELETE FROM ev WHERE k IS NULL OR k IN (SELECT k FROM jk WHERE NOT (is_event AND known)) OR NOT ok""",
         "ALTER TABLE ev DROP COLUMN ok",
         "ALTER TABLE ev DROP COLUMN k",
+        *(("DROP TABLE jl",) if stats else ()),
     ]
 
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import duckdb
 import numpy as np
@@ -28,6 +28,9 @@ from kvdiag.diagnostics.turn_loader import UnreadableLogError, run_all
 from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.metrics import _PROMPT_EDGES, MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
+
+if TYPE_CHECKING:
+    from kvdiag.diagnostics.verdict_engine import Run
 
 # Bump when the table's columns (or how a path fills them) change: it is part of the Parquet cache key.
 # 2: the DuckDB path's reasons, confidence, statuses and unknown gaps now equal the parser's.
@@ -78,10 +81,11 @@ def _in(verdicts: frozenset[Verdict]) -> str:
     return ", ".join(f"'{v.value}'" for v in sorted(verdicts))
 
 
-def derive_sql(source: str, key: str | None = None) -> str:
+def derive_sql(source: str, key: str | None = None, prev: str | None = None) -> str:
     """TABLE_COLUMNS from RAW_COLUMNS rows in ``source``: the buckets, the reuse flags, the missing-metadata
     cause named in the reason, an end from start and latency, and a gap from the previous turn's end. With
-    ``key`` (a column unique per row), the previous turn's end is found on narrow rows and joined back by it."""
+    ``key`` (a column unique per row), the previous turn's end is found on narrow rows and joined back by it;
+    with ``prev`` too (a column holding the previous turn's ``key``), by a join on it instead of a window."""
     edges = " ".join(f"WHEN prompt_tokens < {e} THEN '{b}'" for e, b in zip(_PROMPT_EDGES, PROMPT_BUCKETS,
                                                                                 strict=False))
     reasons = " ".join(f"WHEN contains(reason, '{n}') THEN '{n}'" for n in MISSING_METADATA_REASONS)
@@ -92,7 +96,10 @@ def derive_sql(source: str, key: str | None = None) -> str:
     window = f"start_ts - lag({end}) OVER (PARTITION BY conversation_id ORDER BY turn, pos) AS since_prev"
     # (the window sorting the wide rows, their reasons included, costs more than a join on the key)
     rows = (f"(SELECT *, {window} FROM {source})" if key is None
-            else f"(SELECT * FROM {source} JOIN (SELECT {key}, {window} FROM {source}) USING ({key}))")
+            else f"(SELECT * FROM {source} JOIN (SELECT {key}, {window} FROM {source}) USING ({key}))" if prev is None
+            # (a hash join on the key the engine gives costs less than the window's sort by conversation)
+            else f"""(SELECT s.*, s.start_ts - p.prev_end AS since_prev FROM {source} s LEFT JOIN
+                      (SELECT {key} AS prev_key, {end} AS prev_end FROM {source}) p ON p.prev_key = s.{prev})""")
     cols = {
         "turn_bucket": "CASE WHEN turn <= 1 THEN '1' WHEN turn = 2 THEN '2' WHEN turn = 3 THEN '3' WHEN turn <= 7 "
                        "THEN '4-7' ELSE '8+' END",
@@ -108,9 +115,10 @@ def derive_sql(source: str, key: str | None = None) -> str:
     return f"SELECT {select} FROM {rows} ORDER BY conversation_id, turn, pos"
 
 
-def _derive(con: duckdb.DuckDBPyConnection, source: str, key: str | None = None) -> pd.DataFrame:
+def _derive(con: duckdb.DuckDBPyConnection, source: str, key: str | None = None, prev: str | None = None
+            ) -> pd.DataFrame:
     # nullable integers straight from Arrow (no float round trip for normalize_table to undo)
-    table = con.sql(derive_sql(source, key)).to_arrow_table()
+    table = con.sql(derive_sql(source, key, prev)).to_arrow_table()
     return normalize_table(table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get))
 
 
@@ -415,23 +423,26 @@ def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | No
         raise UnreadableLogError(str(exc)) from None
     run = run_all(detected, progress, evidence=False)
     try:
-        # the benchmark's own clock gives a gap to 3 decimals as Python rounds it (explain's records do the same);
-        # a view unless some gap needs that rounding (copying a million wide rows costs a second)
-        run.con.execute(f"CREATE TEMP VIEW raw_turns_view AS SELECT {_ENGINE_RAW}, sid, ev_gap_s IS NULL AND prev_sid "
-                        "IS NOT NULL AND client_gap IS NOT NULL AS client_gap_used FROM decided")
-        rounded = run.con.sql("SELECT conversation_id, turn, pos, gap_s FROM raw_turns_view WHERE client_gap_used"
-                              ).to_arrow_table()
-        if not rounded.num_rows:
-            return _derive(run.con, "raw_turns_view", "sid")
-        run.con.execute("CREATE TEMP TABLE raw_turns AS SELECT * FROM raw_turns_view")
-        gap_fix = rounded.set_column(3, "gap_s", pa.array([None if g is None else round(g, 3)
-                                                           for g in rounded.column(3).to_pylist()], pa.float64()))
-        run.con.register("gap_fix", gap_fix)
-        run.con.execute("UPDATE raw_turns SET gap_s = gap_fix.gap_s FROM gap_fix WHERE raw_turns.conversation_id = "
-                        "gap_fix.conversation_id AND raw_turns.turn = gap_fix.turn AND raw_turns.pos = gap_fix.pos")
-        return _derive(run.con, "raw_turns", "sid")
+        return _engine_run_table(run)
     finally:
         run.con.close()
+
+
+def _engine_run_table(run: Run) -> pd.DataFrame:
+    """The turn table of a run the engine has decided."""
+    # the benchmark's own clock gives a gap to 3 decimals as Python rounds it (explain's records do the same);
+    # the rounded gaps are joined in by the turn's key (copying a million wide rows to update them costs a second)
+    run.con.execute(f"CREATE TEMP VIEW raw_turns_view AS SELECT {_ENGINE_RAW}, sid, prev_sid, ev_gap_s IS NULL AND "
+                    "prev_sid IS NOT NULL AND client_gap IS NOT NULL AS client_gap_used FROM decided")
+    rounded = run.con.sql("SELECT sid, gap_s FROM raw_turns_view WHERE client_gap_used").to_arrow_table()
+    if not rounded.num_rows:
+        return _derive(run.con, "raw_turns_view", "sid", "prev_sid")
+    gap_fix = rounded.set_column(1, "gap_s", pa.array([None if g is None else round(g, 3)
+                                                       for g in rounded.column(1).to_pylist()], pa.float64()))
+    run.con.register("gap_fix", gap_fix)
+    source = ("(SELECT v.* REPLACE (CASE WHEN v.client_gap_used THEN g.gap_s ELSE v.gap_s END AS gap_s) "
+              "FROM raw_turns_view v LEFT JOIN gap_fix g ON g.sid = v.sid)")
+    return _derive(run.con, source, "sid", "prev_sid")
 
 
 def write_outputs(report: Report, *, csv: Path | None = None, parquet_path: Path | None = None,

@@ -357,7 +357,8 @@ def add_document(run: Run, f: int) -> None:
 def parse(run: Run) -> None:
     """Lines into record tables (engine_parse), odd JSON lines through json_logs."""
     many = run.con.execute("SELECT count(*) FROM lines_vllm").fetchall()[0][0] >= ep.ASCII_BRANCH_MIN_LINES
-    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many)):
+    stats = any(lf.fmt == "client_stats" for lf in run.files)
+    for q in (*ep.parse_json_sql(stats=stats), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many)):
         execute(run, q)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
     words = [w for (w,) in run.con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
@@ -428,19 +429,18 @@ f AS (SELECT *, CASE WHEN answered THEN NULL ELSE coalesce(ev_failed_why, vl_fai
       + TRY_CAST(substr(px_first_ts, 15, 2) AS INTEGER) * 60 + TRY_CAST(substr(px_first_ts, 18, 2) AS INTEGER)
       AS px_start
   FROM base),
--- the conversation's order and whether every earlier request failed and stored no handle (one narrow window
--- pass), then the previous turn by a join on the order (cheaper than a lag() per column) and the proxy's restart
--- ('Ready' line) since, all on narrow rows: the turn's wide row is joined once, at the end
-ord AS (SELECT sid, conversation_id, px_last_f, px_seq, has_px, row_number() OVER ({_ORDER_BY}) AS pos,
+-- the conversation's order, the previous turn's key and whether every earlier request failed and stored no handle
+-- (one narrow window pass), then the previous turn by a join on its key (cheaper than a lag() per column) and the
+-- proxy's restart ('Ready' line) since, all on narrow rows: the turn's wide row is joined once, at the end
+ord AS (SELECT sid, px_last_f, px_seq, has_px, row_number() OVER ({_ORDER_BY}) AS pos,
+    lag(sid) OVER ({_ORDER_BY}) AS prev_key,
     coalesce(bool_and((failed_why IS NOT NULL OR (has_px AND NOT coalesce(px_has_stored, false)
           AND NOT coalesce(px_done, false))) AND NOT coalesce(px_has_stored, false))
       OVER ({_ORDER_BY} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false) AS earlier_all_failed
   FROM f),
-prev AS (SELECT o2.conversation_id, o2.pos + 1 AS next_pos, {", ".join(f"{v} AS prev_{k}" for k, v in _PREV)}
-  FROM f JOIN ord o2 USING (sid)),
-turn_prev AS (SELECT o1.sid, o1.pos, prev.* EXCLUDE (conversation_id, next_pos), o1.earlier_all_failed,
+turn_prev AS (SELECT o1.sid, o1.pos, {", ".join(f"{v} AS prev_{k}" for k, v in _PREV)}, o1.earlier_all_failed,
     o1.px_last_f AS own_last_f, o1.px_seq AS own_px_seq, o1.has_px AS own_has_px
-  FROM ord o1 LEFT JOIN prev ON prev.conversation_id = o1.conversation_id AND prev.next_pos = o1.pos),
+  FROM ord o1 LEFT JOIN f ON f.sid = o1.prev_key),
 restart AS (SELECT tp.sid, arg_min((r.f::BIGINT << 40) + r.n, r.seq) AS restart_ref FROM turn_prev tp JOIN ready r
     ON r.f = tp.own_last_f AND r.seq > coalesce(tp.prev_stored_seq, tp.prev_px_seq) AND r.seq < tp.own_px_seq
   WHERE tp.prev_has_px AND tp.own_has_px GROUP BY tp.sid),

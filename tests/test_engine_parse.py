@@ -43,10 +43,11 @@ def _load(con: duckdb.DuckDBPyConnection, table: str, f: int, path: Path) -> lis
     return numbered
 
 
-def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
+def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False, stats: bool = True
             ) -> tuple[duckdb.DuckDBPyConnection, dict[int, list[tuple[int, bytes]]]]:
     """The engine's parse of ``files``; ``ascii_branch``/``words`` as the engine picks them for many lines
-    (the default) or for few (False / the first words present)."""
+    (the default) or for few (False / the first words present); ``stats`` as for runs with (the default) or
+    without a client statistics file."""
     con = duckdb.connect()
     ep.create_line_tables(con)
     loaded = {}
@@ -54,7 +55,7 @@ def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
         table = ("lines_proxy" if "proxy" in path.name else "lines_json" if path.suffix in (".json", ".jsonl")
                  else "lines_vllm")
         loaded[f] = _load(con, table, f, path)
-    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=ascii_branch)):
+    for q in (*ep.parse_json_sql(stats=stats), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=ascii_branch)):
         con.execute(q)
     present = [w for (w,) in con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
     con.execute(ep.vllm_records_sql(present if words else None, ascii_branch=ascii_branch))
@@ -100,7 +101,8 @@ def test_vllm_and_proxy_records_equal_the_python_parsers(tmp_path: Path) -> None
     assert seen["vllm"] > 300 and seen["proxy"] > 200
 
 
-def test_json_records_equal_json_logs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stats", [True, False])
+def test_json_records_equal_json_logs(tmp_path: Path, stats: bool) -> None:
     files = [p for p in _inputs(tmp_path) if p.suffix in (".json", ".jsonl") and p.suffix != ".json"]
     bad = tmp_path / "odd.jsonl"
     good = {"v": 1, "ts": 1.0, "source": "router", "event": "router_turn", "conversation_id": "c", "turn": 2,
@@ -109,7 +111,7 @@ def test_json_records_equal_json_logs(tmp_path: Path) -> None:
                               json.dumps({**good, "extra": 1}), json.dumps([{"conversation_id": "a", "ttft_ms": 1}]),
                               json.dumps({"conversation_id": 7, "ttft_ms": True}), "", "  "]) + "\n")
     files.append(bad)
-    con, loaded = _engine(files)
+    con, loaded = _engine(files, stats=stats)
     # (the evidence text of a JSON record is its stripped line, looked up when explain prints it)
     ev = {(f, n): (src, conv, turn, rid, outcome) for f, n, src, conv, turn, rid, outcome in con.execute(
         "SELECT f, n, source, conversation_id, turn, request_id, outcome FROM ev").fetchall()}
