@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
     from kvdiag.diagnostics import verdict_engine as engine
 
-# The engine (duckdb, pyarrow, numpy: ~0.15 s to import) is imported where it is used, so one
-# conversation can import it on a second thread while its greps run.
+# The engine (duckdb: ~0.1 s to import; the report's turn table adds pyarrow and numpy) is imported where it
+# is used, so one conversation can import it on a second thread while its greps run.
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
@@ -318,7 +318,7 @@ def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: 
 
 def _import_engine() -> None:
     with contextlib.suppress(Exception):  # (a failure is raised again by the import where it is used)
-        importlib.import_module("kvdiag.diagnostics.engine_windows")  # (which imports verdict_engine)
+        importlib.import_module("kvdiag.diagnostics.verdict_engine")
 
 
 def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None, *,
@@ -368,7 +368,6 @@ def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: P
     for path, lines in more.items():
         kept[path] = sorted({**dict(kept.get(path, [])), **dict(lines)}.items())
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
-    from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
 
     with engine.opened(files, only=conversation_id) as run:
         if not documents and sum(map(len, kept.values())) <= FEW_LINES:
@@ -386,7 +385,9 @@ def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: P
             engine.parse(run)
             engine.decide(run)
             wanted = engine.wanted_windows(run)
-            if wanted:
+            if wanted:  # (most conversations need no stats window: their reader is imported only here)
+                from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
+
                 decide_windows(run, wanted, one=True)
             stats.merge(run.stats)
             convs = [c for c in records(run) if c.conversation_id == conversation_id]
