@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
-from kvdiag.diagnostics.advise_config import MARKERS, remember_marker_lines
 from kvdiag.diagnostics.conversation_ids import id_tags
 from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
 from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
@@ -134,6 +133,7 @@ def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows
     With ``config_lines`` the vLLM logs' configuration lines are kept for advise_config.scan_config (report
     and advise read both), found by the same grep."""
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
+    from kvdiag.diagnostics.advise_config import MARKERS, remember_marker_lines  # noqa: PLC0415
     from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
 
     run = engine.new_run(files)
