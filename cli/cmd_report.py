@@ -9,7 +9,6 @@ from rich.text import Text
 
 from kvdiag.cli.cmd_explain import output_console
 from kvdiag.cli.report_inputs import PATH, cache_options, load_table, writing
-from kvdiag.diagnostics.html_report import write_html_report
 from kvdiag.diagnostics.report import ReportError, build_report, write_outputs
 from kvdiag.diagnostics.terminal_report import report_renderables
 
@@ -43,6 +42,8 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
         for path in write_outputs(rep, csv=csv_path, parquet_path=parquet_path, json_path=json_path):
             console.print(Text(f"wrote {path}"))
         if html_path is not None:
+            from kvdiag.diagnostics.html_report import write_html_report  # noqa: PLC0415 - only with --html
+
             console.print(Text(f"wrote {write_html_report(df, html_path, decoder_ttl=ttl)}"))
 
 

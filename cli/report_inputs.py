@@ -10,7 +10,6 @@ from pathlib import Path
 import click
 import pandas as pd
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
 from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
 from kvdiag.diagnostics.detect import LogReadError
@@ -29,6 +28,9 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     if not enabled:
         yield None
         return
+    # (imported here: a piped run, or one with --no-progress, does not pay for rich.progress)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn  # noqa: PLC0415
+
     bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
     task = bar.add_task("reading logs", total=None)

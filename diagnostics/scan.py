@@ -82,15 +82,19 @@ def _system_grep(path: str, pattern_args: list[str], progress: ProgressFn | None
     except OSError as exc:
         raise LogReadError(f"cannot read {path}: {exc}") from None
     assert proc.stdout is not None and proc.stderr is not None
+    read = False
     try:
         with proc.stdout, proc.stderr:
             for out in proc.stdout:
                 num, _, line = out.partition(b":")
                 yield int(num), line
             err = proc.stderr.read()
+        read = True
     finally:
-        if proc.poll() is None:
-            proc.kill()  # the consumer stopped early (or failed): never leave grep behind
+        # (only a consumer that stopped early, or failed, kills grep: one that read both pipes to their end
+        # waits for grep's exit status, which a kill would turn from an error into "no line matched")
+        if not read and proc.poll() is None:
+            proc.kill()  # never leave grep behind
         code = proc.wait()
     if progress is not None:
         try:

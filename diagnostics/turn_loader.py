@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
-from kvdiag.diagnostics.advise_config import MARKERS, remember_marker_lines
 from kvdiag.diagnostics.conversation_ids import id_tags
 from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
 from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
@@ -44,8 +43,8 @@ if TYPE_CHECKING:
 
     from kvdiag.diagnostics import verdict_engine as engine
 
-# The engine (duckdb, pyarrow, numpy: ~0.15 s to import) is imported where it is used, so one
-# conversation can import it on a second thread while its greps run.
+# The engine (duckdb: ~0.1 s to import; the report's turn table adds pyarrow and numpy) is imported where it
+# is used, so one conversation can import it on a second thread while its greps run.
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
@@ -134,6 +133,7 @@ def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows
     With ``config_lines`` the vLLM logs' configuration lines are kept for advise_config.scan_config (report
     and advise read both), found by the same grep."""
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
+    from kvdiag.diagnostics.advise_config import MARKERS, remember_marker_lines  # noqa: PLC0415
     from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
 
     run = engine.new_run(files)
@@ -318,7 +318,7 @@ def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: 
 
 def _import_engine() -> None:
     with contextlib.suppress(Exception):  # (a failure is raised again by the import where it is used)
-        importlib.import_module("kvdiag.diagnostics.engine_windows")  # (which imports verdict_engine)
+        importlib.import_module("kvdiag.diagnostics.verdict_engine")
 
 
 def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None, *,
@@ -368,9 +368,12 @@ def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: P
     for path, lines in more.items():
         kept[path] = sorted({**dict(kept.get(path, [])), **dict(lines)}.items())
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
-    from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
 
     with engine.opened(files, only=conversation_id) as run:
+        if not documents and sum(map(len, kept.values())) <= FEW_LINES:
+            # On a few dozen rows DuckDB's optimizer costs more than it saves (about a third of each
+            # statement's planning); the plans stay hash joins on tables this small.
+            run.con.execute("PRAGMA disable_optimizer")
         with _reading():
             for f, lf in enumerate(files):
                 if lf.fmt == "unknown":
@@ -382,13 +385,18 @@ def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: P
             engine.parse(run)
             engine.decide(run)
             wanted = engine.wanted_windows(run)
-            if wanted:
+            if wanted:  # (most conversations need no stats window: their reader is imported only here)
+                from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
+
                 decide_windows(run, wanted, one=True)
             stats.merge(run.stats)
             convs = [c for c in records(run) if c.conversation_id == conversation_id]
     if not convs:
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
     return convs[0]
+
+
+FEW_LINES: Final = 5000  # up to this many prefiltered lines, one conversation's statements run unoptimized
 
 
 def _parallel(files: list[LogFile], lines_for: Callable[[LogFile], list[tuple[int, bytes]]]

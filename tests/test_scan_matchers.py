@@ -100,3 +100,25 @@ def test_head_lines_finds_what_a_split_into_lines_finds(tmp_path: Path) -> None:
                 assert list(scan.head_lines(str(path), keywords, limit)) == expected
                 checked += bool(expected)
     assert checked > 500  # most cases find lines
+
+
+def test_a_grep_error_is_never_taken_for_no_lines(tmp_path: Path) -> None:
+    # grep closes its pipes just before it exits: its exit status (2, an error) must be waited for, not lost
+    # to a kill that turns it into "no line matched"
+    missing = str(tmp_path / "gone.log")
+    for _ in range(30):
+        with pytest.raises(LogReadError, match=r"gone\.log"):
+            list(scan._system_grep(missing, ["-F", "-e", "x"], None))
+
+
+def test_one_conversation_with_many_request_ids_keeps_every_line(tmp_path: Path) -> None:
+    # 1,500 ids make a pattern PCRE refuses ("regular expression is too large"): the POSIX matcher must then
+    # find every line, every time (the lost exit status used to return no line at all)
+    rng = random.Random(11)
+    ids = [f"{rng.getrandbits(128):032x}".encode() for _ in range(1500)]
+    log = tmp_path / "proxy.log"
+    log.write_bytes(b"".join(b"2026-11-29 07:00:00 [INFO] p: [" + i + b"] conv=c1: cache MISS\n"
+                             b"2026-11-29 07:00:00 [INFO] p: [" + i[::-1] + b"] other\n" for i in ids))
+    for _ in range(5):
+        found = [n for n, _ in scan.grep_prefixed(str(log), b"[", ids, suffix=b"]")]
+        assert found == list(range(1, 3001, 2))
