@@ -575,22 +575,22 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
                 FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
               WHERE strlen(t) < {MAX_LINE_CHARS} OR length(t) < {MAX_LINE_CHARS})  -- bytes first: no count
             WHERE std OR {rx('regexp_matches', 't', vllm_log.HEADER_RE)}""",
-        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position (the level ends
-        # at the space the header check proved: split_part would split the whole line); any other prefix
-        # (VLLM_LOGGING_PREFIX) through the full pattern
+        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position: the header
+        # check proved that the first "[" opens the file part (no earlier part has one), the first "]" closes it
+        # (the file part has none), the time stamp is the 14 characters before " [" and the level ends at the
+        # spaces before it; only the message is copied out of the line. Any other prefix (VLLM_LOGGING_PREFIX)
+        # goes through the full pattern.
         f"""CREATE TEMP TABLE vl_head AS
-            WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc,
-                         CASE WHEN starts_with(t, '(') THEN substr(t, strpos(t, ') ') + 2) ELSE t END AS rest
+            WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc, strpos(t, '[') AS b, strpos(t, ']') AS c
                        FROM vl_clean WHERE std),
-            l AS (SELECT *, left(rest, strpos(rest, ' ') - 1) AS level, ltrim(substr(rest, strpos(rest, ' ') + 1)) AS al
-                  FROM s)
-            SELECT f, n, CASE WHEN has_proc THEN substr(t, 2, strpos(t, ' pid=') - 2) ELSE '' END AS proc,
-              CASE WHEN has_proc THEN substr(t, strpos(t, ' pid=') + 5, strpos(t, ') ') - strpos(t, ' pid=') - 5)
-                   ELSE '' END AS pid, level, left(al, 14) AS ts,
-              substr(al, 17, strpos(al, ']') - 17) AS fileinfo,
-              CASE WHEN substr(al, strpos(al, ']') + 1, 1) = ' ' THEN substr(al, strpos(al, ']') + 2)
-                   ELSE substr(al, strpos(al, ']') + 1) END AS msg
-            FROM l
+            p AS (SELECT *, CASE WHEN has_proc THEN strpos(t, ' pid=') END AS q,
+                    CASE WHEN has_proc THEN strpos(t, ') ') + 2 ELSE 1 END AS e FROM s)
+            SELECT f, n, CASE WHEN has_proc THEN substr(t, 2, q - 2) ELSE '' END AS proc,
+              CASE WHEN has_proc THEN substr(t, q + 5, e - q - 7) ELSE '' END AS pid,
+              rtrim(substr(t, e, b - 15 - e)) AS level, substr(t, b - 15, 14) AS ts,
+              substr(t, b + 1, c - b - 1) AS fileinfo,
+              substr(t, CASE WHEN substr(t, c + 1, 1) = ' ' THEN c + 2 ELSE c + 1 END) AS msg
+            FROM p
             UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
             FROM (SELECT f, n, {rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
                   FROM vl_clean WHERE NOT std)""",
