@@ -461,12 +461,12 @@ _VLLM_FIELDS: Final[dict[str, dict[str, str]]] = {
     "added_request": {"request_id": _S.format(1)},
     "request_failed": {"request_id": _S.format(1)},
 }
-_VLLM_COLUMNS: Final = {"request_id": "VARCHAR", "request_ids": "VARCHAR[]", "failure_type": "VARCHAR",
+VLLM_COLUMNS: Final = {"request_id": "VARCHAR", "request_ids": "VARCHAR[]", "failure_type": "VARCHAR",
                         "ctx_request_id": "VARCHAR", "ctx_remote_request_id": "VARCHAR", "threshold": "BIGINT",
                         "ttl_s": "BIGINT", "remote_tokens": "BIGINT", "local_blocks": "BIGINT",
                         "remote_blocks": "BIGINT", "block_size": "BIGINT", "finish_reason": "VARCHAR",
                         "remote_request_id": "VARCHAR", "why": "VARCHAR"}
-VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *_VLLM_COLUMNS)
+VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *VLLM_COLUMNS)
 # vllm_log.VllmRecord.text: the record's first line as the operator would grep it (no colours, no prefix)
 # (uncut: VLLM_LINE; one concat, not a chain of ||, which copies the growing string at each step; the CASE keeps
 # ||'s NULL)
@@ -607,7 +607,7 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
 
     # the groups each kind's fields read; a kind whose fields read only its first group (and that has a first
     # word) gets its match ``m<i>``, and the group is cut out of it
-    used = {i: {int(g) for col in _VLLM_COLUMNS for g in re.findall(r"x\.g(\d+)", _field(i, kind, regex, col) or "")}
+    used = {i: {int(g) for col in VLLM_COLUMNS for g in re.findall(r"x\.g(\d+)", _field(i, kind, regex, col) or "")}
             for i, kind, regex, _first in classes}
     cuts = {i: cut for i, _kind, regex, first in classes if first is not None and used[i] <= {1}
             and (cut := _first_group_cut(regex, f"m{i}")) is not None}
@@ -620,7 +620,7 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
             whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
                          else f"WHEN {cond} THEN {i}")
     fields = []
-    for col, ctype in _VLLM_COLUMNS.items():
+    for col, ctype in VLLM_COLUMNS.items():
         picks = []
         for i, kind, regex, _first in classes:
             expr = _field(i, kind, regex, col)

@@ -477,7 +477,8 @@ WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, w_refs
 
 def decide(run: Run) -> None:
     """Correlate, collect the facts and apply the rules: ``decided`` (one row per turn)."""
-    for q in (*join_sql(run.only), *facts_sql(), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL):
+    kinds = [k for (k,) in run.con.execute("SELECT DISTINCT kind FROM vl WHERE kind IS NOT NULL").fetchall()]
+    for q in (*join_sql(run.only), *facts_sql(kinds), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL):
         execute(run, q)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
