@@ -537,6 +537,23 @@ def _first_group_cut(regex: re.Pattern[str], col: str) -> str | None:
     return f"left(substr({col}, {start}), strpos(substr({col}, {start}), {sql_str(after)}) - 1)"
 
 
+_REST: Final = "(.*)$"
+
+
+def rest_prefix(regex: re.Pattern[str]) -> re.Pattern[str] | None:
+    """The pattern without its last group when that group is ``(.*)$`` over the whole text (DOTALL), the group
+    numbers as they were: the rest always matches, so the whole pattern matches where this prefix does, and the
+    group is the text after the prefix's match. None for any other shape (or a prefix whose match could end
+    differently on the text cut after it: an end anchor or a word boundary)."""
+    src = regex.pattern
+    if not (regex.flags & re.DOTALL and src.endswith(_REST) and not src.endswith("\\" + _REST)):
+        return None
+    prefix = re.compile(src[:-len(_REST)], regex.flags)
+    if prefix.groups != regex.groups - 1 or re.search(r"\\[bBzZA]|\$", prefix.pattern):
+        return None
+    return prefix
+
+
 # vLLM's own header shape (HEADER_RE without VLLM_LOGGING_PREFIX), which vl_head cuts by position
 STD_HEADER_RE: Final = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
                                   r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]{1,300}:\d+\]")
@@ -597,23 +614,31 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
     ]
 
 
-def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True) -> str:
-    """The statement that makes ``vl`` from vl_head (see parse_vllm_sql)."""
+def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True, fast: bool = True) -> str:
+    """The statement that makes ``vl`` from vl_head (see parse_vllm_sql); without ``fast`` every kind is matched
+    and its groups read by its whole pattern (no group cut by position: the forms the tests compare)."""
     classes = [c for c in _classifiers() if (c[1] in _VLLM_FIELDS or c[1] == "aborted")
                and (words is None or c[3] is None or c[3] in words)]
 
     def rx(fn: str, regex: re.Pattern[str], *args: str) -> str:
         return _rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch)
 
+    def rx_of(col: str, regex: re.Pattern[str], *args: str) -> str:  # col: a part of msg (ASCII where msg is)
+        return _rx("regexp_extract", col, regex, *args, ascii_flag="a", ascii_branch=ascii_branch)
+
     # the groups each kind's fields read; a kind whose fields read only its first group (and that has a first
     # word) gets its match ``m<i>``, and the group is cut out of it
     used = {i: {int(g) for col in VLLM_COLUMNS for g in re.findall(r"x\.g(\d+)", _field(i, kind, regex, col) or "")}
             for i, kind, regex, _first in classes}
     cuts = {i: cut for i, _kind, regex, first in classes if first is not None and used[i] <= {1}
-            and (cut := _first_group_cut(regex, f"m{i}")) is not None}
+            and (cut := _first_group_cut(regex, f"m{i}")) is not None} if fast else {}
+    # a kind whose pattern ends in "(.*)$" is matched by its prefix alone (which RE2 stops at, instead of running
+    # the rest to the end of the line): the last group is the text after that match, the others are read from it
+    rests = {i: prefix for i, _kind, regex, first in classes if fast and first is not None and i not in cuts
+             and used[i] and (prefix := rest_prefix(regex)) is not None}
     whens = []
     for i, _kind, regex, first in classes:
-        if i in cuts:
+        if i in cuts or i in rests:
             whens.append(f"WHEN m{i} <> '' THEN {i}")
         else:
             cond = rx("regexp_matches", regex)
@@ -628,13 +653,20 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
                 picks.append(f"WHEN {i} THEN {expr.replace('x.', f'x{i}.')}")
         fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
                       else f"CAST(NULL AS {ctype}) AS {col}")
-    matches = "".join(f", CASE WHEN w = {sql_str(first)} THEN {rx('regexp_extract', regex)} END AS m{i}"
-                      for i, _kind, regex, first in classes if i in cuts and first is not None)
+    matches = "".join(f", CASE WHEN w = {sql_str(first)} THEN {rx('regexp_extract', rests.get(i, regex))} END AS m{i}"
+                      for i, _kind, regex, first in classes if (i in cuts or i in rests) and first is not None)
     structs = ""
     for i, _kind, regex, _first in classes:
-        if used[i]:
-            groups = f"struct_pack(g1 := {cuts[i]})" if i in cuts else rx("regexp_extract", regex, _group_list(regex))
-            structs += f", CASE WHEN k = {i} THEN {groups} END AS x{i}"
+        if i in rests:
+            head = "".join(f"g{g} := {rx_of(f'm{i}', rests[i], str(g))}, " for g in sorted(used[i] - {regex.groups}))
+            groups = f"struct_pack({head}g{regex.groups} := substr(msg, length(m{i}) + 1))"
+        elif i in cuts:
+            groups = f"struct_pack(g1 := {cuts[i]})"
+        elif used[i]:
+            groups = rx("regexp_extract", regex, _group_list(regex))
+        else:
+            continue
+        structs += f", CASE WHEN k = {i} THEN {groups} END AS x{i}"
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
     kind_name = f"CASE k {kind_names} END" if kind_names else "NULL::VARCHAR"
