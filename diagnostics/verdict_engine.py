@@ -48,6 +48,9 @@ VLLM_MESSAGE_STARTS: Final = ("Bidirectional KV transfer", "Declining expired", 
 # (vLLM's colours, when its output was a terminal, may stand between the header and the message)
 VLLM_PREFILTER: Final = ("\\](\x1b\\[[0-9;]*m)* ("
                          + "|".join(re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", s) for s in VLLM_MESSAGE_STARTS) + ")")
+# the same lines as a Perl pattern (grep -P finds them several times faster when nothing else is searched for)
+VLLM_PREFILTER_PCRE: Final = ("\\](?:\x1b\\[[0-9;]*m)* (?:" + "|".join(re.escape(s) for s in VLLM_MESSAGE_STARTS)
+                              + ")")
 _PREFILTER_BYTES: Final = re.compile(VLLM_PREFILTER.encode())
 _PREFILTER_TEXT: Final = re.compile(VLLM_PREFILTER)
 _JSON_FORMATS: Final = ("events", "client_stats")
@@ -214,7 +217,7 @@ def _grep_vllm(path: str, progress: Callable[[int], None] | None, also: Sequence
     fd, out = tempfile.mkstemp(prefix="kvdiag-vllm-", suffix=".txt")
     os.close(fd)
     try:
-        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also)
+        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also, pcre=VLLM_PREFILTER_PCRE)
     except BaseException:
         os.unlink(out)
         raise
