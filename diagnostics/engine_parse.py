@@ -579,8 +579,8 @@ def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool =
 
 
 def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
-    """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts
-    and the message)."""
+    """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts,
+    the message and its first word ``w``: VLLM_WORD, which the kinds' choice and the words present both read)."""
     def rx(fn: str, col: str, regex: re.Pattern[str], *args: str) -> str:
         return _rx(fn, col, regex, *args, ascii_branch=ascii_branch)
 
@@ -597,7 +597,7 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
         # (the file part has none), the time stamp is the 14 characters before " [" and the level ends at the
         # spaces before it; only the message is copied out of the line. Any other prefix (VLLM_LOGGING_PREFIX)
         # goes through the full pattern.
-        f"""CREATE TEMP TABLE vl_head AS
+        f"""CREATE TEMP TABLE vl_head AS SELECT *, {VLLM_WORD} AS w FROM (
             WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc, strpos(t, '[') AS b, strpos(t, ']') AS c
                        FROM vl_clean WHERE std),
             p AS (SELECT *, CASE WHEN has_proc THEN strpos(t, ' pid=') END AS q,
@@ -610,7 +610,7 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
             FROM p
             UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
             FROM (SELECT f, n, {rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
-                  FROM vl_clean WHERE NOT std)""",
+                  FROM vl_clean WHERE NOT std))""",
     ]
 
 
@@ -674,4 +674,4 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
     return f"""CREATE TEMP TABLE vl AS SELECT f, n,
               NULL::VARCHAR AS text, level, ts, {kind_name} AS kind, {', '.join(fields)}
             FROM (SELECT *{structs} FROM (SELECT *, {kind} AS k FROM (SELECT *{matches}
-                  FROM (SELECT *, {VLLM_WORD} AS w{ascii_col} FROM vl_head))))"""
+                  FROM (SELECT *{ascii_col} FROM vl_head))))"""

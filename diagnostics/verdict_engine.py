@@ -365,7 +365,7 @@ def parse(run: Run) -> None:
     for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many)):
         execute(run, q)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
-    words = [w for (w,) in run.con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
+    words = [w for (w,) in run.con.execute("SELECT DISTINCT w FROM vl_head").fetchall()]
     execute(run, ep.vllm_records_sql(words, ascii_branch=many))
     if run.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'cs_doc'").fetchall()[0][0]:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
