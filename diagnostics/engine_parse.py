@@ -309,6 +309,16 @@ def _rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str |
     return f"CASE WHEN {flag} THEN {fn}({col}, {sql_str(ascii_pattern)}{rest}) ELSE {uni} END"
 
 
+def _vllm_rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str | None = None,
+             ascii_branch: bool = True, all_ascii: bool = False) -> str:
+    """_rx for the vLLM statements; with ``all_ascii`` (every line read is ASCII) the pattern as written alone (no
+    Unicode-aware form to compile, no test per line)."""
+    if not all_ascii:
+        return _rx(fn, col, regex, *args, ascii_flag=ascii_flag, ascii_branch=ascii_branch)
+    rest = "".join(f", {a}" for a in args)
+    return f"{fn}({col}, {sql_str(('(?s)' if regex.flags & re.DOTALL else '') + regex.pattern)}{rest})"
+
+
 def _between(start: str, end: str | None) -> str:
     """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end)."""
     after = f"substr(msg, strpos(msg, {sql_str(start)}) + {len(start)})"
@@ -569,20 +579,23 @@ VLLM_WORD: Final = "regexp_extract(msg, '^[^ (]*')"
 ASCII_BRANCH_MIN_LINES: Final = 5000
 
 
-def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True) -> list[str]:
+def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True,
+                   all_ascii: bool = False) -> list[str]:
     """Statements: ``vl`` from lines_vllm: the header, the message's kind and the fields the rules read.
 
     Each line is read alone (a traceback or a CR-continued line is not folded into the record before it,
     as vllm_log's parser folds them): a record is its first line. ``words``: the messages' first words
-    (VLLM_WORD over vl_head), when known: classifiers of other words cannot match and are left out."""
-    return [*vllm_head_sql(ascii_branch=ascii_branch), vllm_records_sql(words, ascii_branch=ascii_branch)]
+    (VLLM_WORD over vl_head), when known: classifiers of other words cannot match and are left out. ``all_ascii``:
+    every line in lines_vllm is ASCII (each pattern is then taken as written)."""
+    return [*vllm_head_sql(ascii_branch=ascii_branch, all_ascii=all_ascii),
+            vllm_records_sql(words, ascii_branch=ascii_branch, all_ascii=all_ascii)]
 
 
-def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
+def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False) -> list[str]:
     """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts,
     the message and its first word ``w``: VLLM_WORD, which the kinds' choice and the words present both read)."""
     def rx(fn: str, col: str, regex: re.Pattern[str], *args: str) -> str:
-        return _rx(fn, col, regex, *args, ascii_branch=ascii_branch)
+        return _vllm_rx(fn, col, regex, *args, ascii_branch=ascii_branch, all_ascii=all_ascii)
 
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
     return [
@@ -614,17 +627,19 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
     ]
 
 
-def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True, fast: bool = True) -> str:
+def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True, fast: bool = True,
+                     all_ascii: bool = False) -> str:
     """The statement that makes ``vl`` from vl_head (see parse_vllm_sql); without ``fast`` every kind is matched
     and its groups read by its whole pattern (no group cut by position: the forms the tests compare)."""
     classes = [c for c in _classifiers() if (c[1] in _VLLM_FIELDS or c[1] == "aborted")
                and (words is None or c[3] is None or c[3] in words)]
 
     def rx(fn: str, regex: re.Pattern[str], *args: str) -> str:
-        return _rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch)
+        return _vllm_rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch, all_ascii=all_ascii)
 
     def rx_of(col: str, regex: re.Pattern[str], *args: str) -> str:  # col: a part of msg (ASCII where msg is)
-        return _rx("regexp_extract", col, regex, *args, ascii_flag="a", ascii_branch=ascii_branch)
+        return _vllm_rx("regexp_extract", col, regex, *args, ascii_flag="a", ascii_branch=ascii_branch,
+                        all_ascii=all_ascii)
 
     # the groups each kind's fields read; a kind whose fields read only its first group (and that has a first
     # word) gets its match ``m<i>``, and the group is cut out of it
@@ -670,7 +685,7 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
     kind_name = f"CASE k {kind_names} END" if kind_names else "NULL::VARCHAR"
-    ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch else ""
+    ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch and not all_ascii else ""
     return f"""CREATE TEMP TABLE vl AS SELECT f, n,
               NULL::VARCHAR AS text, level, ts, {kind_name} AS kind, {', '.join(fields)}
             FROM (SELECT *{structs} FROM (SELECT *, {kind} AS k FROM (SELECT *{matches}

@@ -361,12 +361,15 @@ def add_document(run: Run, f: int) -> None:
 
 def parse(run: Run) -> None:
     """Lines into record tables (engine_parse), odd JSON lines through json_logs."""
-    many = run.con.execute("SELECT count(*) FROM lines_vllm").fetchall()[0][0] >= ep.ASCII_BRANCH_MIN_LINES
-    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many)):
+    # (every vLLM line ASCII: each pattern as written, no Unicode-aware form to compile or test per line)
+    counted = f"SELECT count(*), bool_and({ep.ASCII.format('line')}) FROM lines_vllm"
+    lines, ascii = run.con.execute(counted).fetchall()[0]
+    many, all_ascii = lines >= ep.ASCII_BRANCH_MIN_LINES, bool(ascii)
+    for q in (*ep.parse_json_sql(), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii)):
         execute(run, q)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
     words = [w for (w,) in run.con.execute("SELECT DISTINCT w FROM vl_head").fetchall()]
-    execute(run, ep.vllm_records_sql(words, ascii_branch=many))
+    execute(run, ep.vllm_records_sql(words, ascii_branch=many, all_ascii=all_ascii))
     if run.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'cs_doc'").fetchall()[0][0]:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
     ep.read_odd_json(run.con, run.paths, run.stats)

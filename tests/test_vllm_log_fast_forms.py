@@ -92,3 +92,29 @@ def test_a_wrong_rest_cut_is_caught() -> None:
     assert wrong != fast
     assert _differences(lines) == []
     assert _differences(lines, wrong) != []
+
+
+def _heads_and_rows(lines: list[bytes], *, all_ascii: bool) -> tuple[list[tuple[object, ...]], ...]:
+    con = duckdb.connect()
+    ep.create_line_tables(con)
+    table, _notes = ep.lines_arrow(0, list(enumerate(lines, start=1)), LineStats(), "x.log")
+    con.register("new_lines", table)
+    con.execute("INSERT INTO lines_vllm SELECT * FROM new_lines")
+    for q in ep.vllm_head_sql(all_ascii=all_ascii):
+        con.execute(q)
+    head = con.execute("SELECT * FROM vl_head ORDER BY f, n").fetchall()
+    return head, _vl(con, ep.vllm_records_sql(all_ascii=all_ascii))
+
+
+def test_ascii_lines_read_with_the_patterns_as_written_give_the_same_rows() -> None:
+    """Every line ASCII: the patterns as written alone (no Unicode-aware form) give vl_head and vl unchanged."""
+    lines = [line for path in VLLM_LOGS for line in path.read_bytes().split(b"\n") if line.isascii()]
+    lines += [f"(EngineCore_DP0 pid=1) ERROR 11-29 06:54:50 [x.py:1] {tpl.format(t='a. b | Context: x', w='w_1', d=3)}"
+              .encode() for tpl in _TEMPLATES]
+    assert _heads_and_rows(lines, all_ascii=True) == _heads_and_rows(lines, all_ascii=False)
+
+
+def test_a_non_ascii_line_needs_the_unicode_forms() -> None:
+    """Negative control: on a line with a non-ASCII process name the patterns as written read another header."""
+    lines = ["(EngineCore_\u00e9 pid=1) INFO 11-29 06:54:50 [x.py:1] Received request a:".encode()]
+    assert _heads_and_rows(lines, all_ascii=True) != _heads_and_rows(lines, all_ascii=False)
