@@ -10,9 +10,10 @@ evidence's ``file:line`` and text are looked up only for the turns explain print
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Final
 
-from kvdiag.diagnostics.engine_parse import VLLM_LINE, sql_str
+from kvdiag.diagnostics.engine_parse import VLLM_COLUMNS, VLLM_LINE, sql_str
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
@@ -48,8 +49,9 @@ _TEV_COLUMNS: Final = tuple(dict.fromkeys(("f", "n", "ts", "status", "http_statu
                                            *EVENT_NUMBERS)))
 
 
-def facts_sql() -> list[str]:
-    """The statements that build ``turn_facts`` (after engine_join)."""
+def facts_sql(vl_kinds: Collection[str] | None = None) -> list[str]:
+    """The statements that build ``turn_facts`` (after engine_join); ``vl_kinds``: the kinds ``vl`` holds, when
+    known (a fact that only lines of other kinds give is left out of the pass over the lines)."""
     cols = ", ".join(f"e.{c}" for c in _TEV_COLUMNS)
     return [
         # turns with more than one client or router event, or with engine events (few): their events are
@@ -103,7 +105,7 @@ def facts_sql() -> list[str]:
               nc.seq AS px_not_stored, nc.why AS px_not_stored_why, p.offered AS px_offered
             FROM px_slot p
             LEFT JOIN px_not_cached nc ON nc.rid = p.rid""",
-        _vl_facts_sql(),
+        _vl_facts_sql(vl_kinds),
         # ---- one row per turn
         f"""CREATE TEMP VIEW turn_facts AS
            SELECT s.sid, s.conv AS conversation_id, s.turn, s.rid AS request_id,
@@ -276,19 +278,44 @@ def _vl_fact_specs() -> list[tuple[str, str, str, str, str]]:
     ]
 
 
-def _vl_facts_sql() -> str:
+def required_kinds(where: str) -> frozenset[str] | None:
+    """The kinds a line must have for the condition ``where`` (a conjunction) to hold, or None when it names none."""
+    if " OR " in where:
+        return None
+    for part in where.split(" AND "):
+        if m := re.fullmatch(r"kind = '(\w+)'|kind IN \(((?:'\w+', )*'\w+')\)", part):
+            return frozenset(re.findall(r"\w+", m.group(1) or m.group(2)))
+    return None
+
+
+def _vl_facts_sql(vl_kinds: Collection[str] | None = None) -> str:
     """``vl_facts``: P's, D's and other engines' lines of each turn. The turns with more than one line are
     aggregated; a turn's single line gives each column by itself (an aggregate of one value is the value). The
     hung line (P's last WAITING_FOR_REMOTE_KVS of a request that never completed) is known only after the pass
-    and takes its place among the failure reasons by its ``o``."""
+    and takes its place among the failure reasons by its ``o``. A fact whose condition needs a kind that is not in
+    ``vl_kinds`` holds on no line: it is the value of no line (NULL of its type, false for ``any``), not
+    aggregated."""
     specs = _vl_fact_specs()
     agg = {"min": "min({v}) FILTER (WHERE {w})", "max": "max({v}) FILTER (WHERE {w})",
            "first": "arg_min({v}, {o}) FILTER (WHERE {w})", "first3": "list_sort(list({v}) FILTER (WHERE {w}))[1:3]",
            "any": "bool_or({w})"}
     one = {"min": "CASE WHEN {w} THEN {v} END", "max": "CASE WHEN {w} THEN {v} END",
            "first": "CASE WHEN {w} THEN {v} END", "first3": "CASE WHEN {w} THEN [{v}] END", "any": "({w})"}
-    aggregated = ",\n  ".join(agg[how].format(v=v, w=w, o=o) + f" AS {c}" for c, how, v, w, o in specs)
-    per_line = ",\n  ".join(one[how].format(v=v, w=w) + f" AS {c}" for c, how, v, w, _o in specs)
+
+    def holds_nowhere(where: str) -> bool:
+        need = required_kinds(where)
+        return vl_kinds is not None and need is not None and not need & set(vl_kinds)
+
+    def none(how: str, v: str) -> str:
+        if how == "any":
+            return "false"
+        typ = {"o": "BIGINT", "ref": "BIGINT", "fwhy": "VARCHAR", **VLLM_COLUMNS}[v]
+        return f"NULL::{typ}{'[]' if how == 'first3' else ''}"
+
+    aggregated = ",\n  ".join((none(how, v) if holds_nowhere(w) else agg[how].format(v=v, w=w, o=o)) + f" AS {c}"
+                              for c, how, v, w, o in specs)
+    per_line = ",\n  ".join((none(how, v) if holds_nowhere(w) else one[how].format(v=v, w=w)) + f" AS {c}"
+                            for c, how, v, w, _o in specs)
     ref = REF.replace("f", "v.f").replace("+ n", "+ v.n")
     hung = "p_hung < coalesce(fail_o, p_hung + 1)"
     return f"""CREATE TEMP TABLE vl_facts AS

@@ -347,6 +347,16 @@ def _rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str |
     return f"CASE WHEN {flag} THEN {fn}({col}, {sql_str(ascii_pattern)}{rest}) ELSE {uni} END"
 
 
+def _vllm_rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str | None = None,
+             ascii_branch: bool = True, all_ascii: bool = False) -> str:
+    """_rx for the vLLM statements; with ``all_ascii`` (every line read is ASCII) the pattern as written alone (no
+    Unicode-aware form to compile, no test per line)."""
+    if not all_ascii:
+        return _rx(fn, col, regex, *args, ascii_flag=ascii_flag, ascii_branch=ascii_branch)
+    rest = "".join(f", {a}" for a in args)
+    return f"{fn}({col}, {sql_str(('(?s)' if regex.flags & re.DOTALL else '') + regex.pattern)}{rest})"
+
+
 def _between(start: str, end: str | None) -> str:
     """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end); the
     pattern that classified the line proves an ``end`` follows."""
@@ -514,12 +524,12 @@ _VLLM_FIELDS: Final[dict[str, dict[str, str]]] = {
     "added_request": {"request_id": _S.format(1)},
     "request_failed": {"request_id": _S.format(1)},
 }
-_VLLM_COLUMNS: Final = {"request_id": "VARCHAR", "request_ids": "VARCHAR[]", "failure_type": "VARCHAR",
+VLLM_COLUMNS: Final = {"request_id": "VARCHAR", "request_ids": "VARCHAR[]", "failure_type": "VARCHAR",
                         "ctx_request_id": "VARCHAR", "ctx_remote_request_id": "VARCHAR", "threshold": "BIGINT",
                         "ttl_s": "BIGINT", "remote_tokens": "BIGINT", "local_blocks": "BIGINT",
                         "remote_blocks": "BIGINT", "block_size": "BIGINT", "finish_reason": "VARCHAR",
                         "remote_request_id": "VARCHAR", "why": "VARCHAR"}
-VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *_VLLM_COLUMNS)
+VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *VLLM_COLUMNS)
 # vllm_log.VllmRecord.text: the record's first line as the operator would grep it (no colours, no prefix)
 # (uncut: VLLM_LINE; one concat, not a chain of ||, which copies the growing string at each step; the CASE keeps
 # ||'s NULL)
@@ -590,6 +600,23 @@ def _first_group_cut(regex: re.Pattern[str], col: str) -> str | None:
     return f"left(substr({col}, {start}), strpos(substr({col}, {start}), {sql_str(after)}) - 1)"
 
 
+_REST: Final = "(.*)$"
+
+
+def rest_prefix(regex: re.Pattern[str]) -> re.Pattern[str] | None:
+    """The pattern without its last group when that group is ``(.*)$`` over the whole text (DOTALL), the group
+    numbers as they were: the rest always matches, so the whole pattern matches where this prefix does, and the
+    group is the text after the prefix's match. None for any other shape (or a prefix whose match could end
+    differently on the text cut after it: an end anchor or a word boundary)."""
+    src = regex.pattern
+    if not (regex.flags & re.DOTALL and src.endswith(_REST) and not src.endswith("\\" + _REST)):
+        return None
+    prefix = re.compile(src[:-len(_REST)], regex.flags)
+    if prefix.groups != regex.groups - 1 or re.search(r"\\[bBzZA]|\$", prefix.pattern):
+        return None
+    return prefix
+
+
 # vLLM's own header shape (HEADER_RE without VLLM_LOGGING_PREFIX), which vl_head cuts by position
 STD_HEADER_RE: Final = re.compile(r"^(?:\([\w.-]+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
                                   r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]{1,300}:\d+\]")
@@ -605,20 +632,23 @@ VLLM_WORD: Final = "regexp_extract(msg, '^[^ (]*')"
 ASCII_BRANCH_MIN_LINES: Final = 5000
 
 
-def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True) -> list[str]:
+def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True,
+                   all_ascii: bool = False) -> list[str]:
     """Statements: ``vl`` from lines_vllm: the header, the message's kind and the fields the rules read.
 
     Each line is read alone (a traceback or a CR-continued line is not folded into the record before it,
     as vllm_log's parser folds them): a record is its first line. ``words``: the messages' first words
-    (VLLM_WORD over vl_head), when known: classifiers of other words cannot match and are left out."""
-    return [*vllm_head_sql(ascii_branch=ascii_branch), vllm_records_sql(words, ascii_branch=ascii_branch)]
+    (VLLM_WORD over vl_head), when known: classifiers of other words cannot match and are left out. ``all_ascii``:
+    every line in lines_vllm is ASCII (each pattern is then taken as written)."""
+    return [*vllm_head_sql(ascii_branch=ascii_branch, all_ascii=all_ascii),
+            vllm_records_sql(words, ascii_branch=ascii_branch, all_ascii=all_ascii)]
 
 
-def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
-    """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts
-    and the message)."""
+def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False) -> list[str]:
+    """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts,
+    the message and its first word ``w``: VLLM_WORD, which the kinds' choice and the words present both read)."""
     def rx(fn: str, col: str, regex: re.Pattern[str], *args: str) -> str:
-        return _rx(fn, col, regex, *args, ascii_branch=ascii_branch)
+        return _vllm_rx(fn, col, regex, *args, ascii_branch=ascii_branch, all_ascii=all_ascii)
 
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
     return [
@@ -628,52 +658,62 @@ def vllm_head_sql(*, ascii_branch: bool = True) -> list[str]:
                 FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
               WHERE strlen(t) < {MAX_LINE_CHARS} OR length(t) < {MAX_LINE_CHARS})  -- bytes first: no count
             WHERE std OR {rx('regexp_matches', 't', vllm_log.HEADER_RE)}""",
-        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position (the level ends
-        # at the space the header check proved: split_part would split the whole line); any other prefix
-        # (VLLM_LOGGING_PREFIX) through the full pattern
-        f"""CREATE TEMP TABLE vl_head AS
-            WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc,
-                         CASE WHEN starts_with(t, '(') THEN substr(t, strpos(t, ') ') + 2) ELSE t END AS rest
+        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position: the header
+        # check proved that the first "[" opens the file part (no earlier part has one), the first "]" closes it
+        # (the file part has none), the time stamp is the 14 characters before " [" and the level ends at the
+        # spaces before it; only the message is copied out of the line. Any other prefix (VLLM_LOGGING_PREFIX)
+        # goes through the full pattern.
+        f"""CREATE TEMP TABLE vl_head AS SELECT *, {VLLM_WORD} AS w FROM (
+            WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc, strpos(t, '[') AS b, strpos(t, ']') AS c
                        FROM vl_clean WHERE std),
-            l AS (SELECT *, left(rest, strpos(rest, ' ') - 1) AS level, ltrim(substr(rest, strpos(rest, ' ') + 1)) AS al
-                  FROM s)
-            SELECT f, n, CASE WHEN has_proc THEN substr(t, 2, strpos(t, ' pid=') - 2) ELSE '' END AS proc,
-              CASE WHEN has_proc THEN substr(t, strpos(t, ' pid=') + 5, strpos(t, ') ') - strpos(t, ' pid=') - 5)
-                   ELSE '' END AS pid, level, left(al, 14) AS ts,
-              substr(al, 17, strpos(al, ']') - 17) AS fileinfo,
-              CASE WHEN substr(al, strpos(al, ']') + 1, 1) = ' ' THEN substr(al, strpos(al, ']') + 2)
-                   ELSE substr(al, strpos(al, ']') + 1) END AS msg
-            FROM l
+            p AS (SELECT *, CASE WHEN has_proc THEN strpos(t, ' pid=') END AS q,
+                    CASE WHEN has_proc THEN strpos(t, ') ') + 2 ELSE 1 END AS e FROM s)
+            SELECT f, n, CASE WHEN has_proc THEN substr(t, 2, q - 2) ELSE '' END AS proc,
+              CASE WHEN has_proc THEN substr(t, q + 5, e - q - 7) ELSE '' END AS pid,
+              rtrim(substr(t, e, b - 15 - e)) AS level, substr(t, b - 15, 14) AS ts,
+              substr(t, b + 1, c - b - 1) AS fileinfo,
+              substr(t, CASE WHEN substr(t, c + 1, 1) = ' ' THEN c + 2 ELSE c + 1 END) AS msg
+            FROM p
             UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
             FROM (SELECT f, n, {rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
-                  FROM vl_clean WHERE NOT std)""",
+                  FROM vl_clean WHERE NOT std))""",
     ]
 
 
-def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True) -> str:
-    """The statement that makes ``vl`` from vl_head (see parse_vllm_sql)."""
+def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True, fast: bool = True,
+                     all_ascii: bool = False) -> str:
+    """The statement that makes ``vl`` from vl_head (see parse_vllm_sql); without ``fast`` every kind is matched
+    and its groups read by its whole pattern (no group cut by position: the forms the tests compare)."""
     classes = [c for c in _classifiers() if (c[1] in _VLLM_FIELDS or c[1] == "aborted")
                and (words is None or c[3] is None or c[3] in words)]
 
     def rx(fn: str, regex: re.Pattern[str], *args: str) -> str:
-        return _rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch)
+        return _vllm_rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch, all_ascii=all_ascii)
+
+    def rx_of(col: str, regex: re.Pattern[str], *args: str) -> str:  # col: a part of msg (ASCII where msg is)
+        return _vllm_rx("regexp_extract", col, regex, *args, ascii_flag="a", ascii_branch=ascii_branch,
+                        all_ascii=all_ascii)
 
     # the groups each kind's fields read; a kind whose fields read only its first group (and that has a first
     # word) gets its match ``m<i>``, and the group is cut out of it
-    used = {i: {int(g) for col in _VLLM_COLUMNS for g in re.findall(r"x\.g(\d+)", _field(i, kind, regex, col) or "")}
+    used = {i: {int(g) for col in VLLM_COLUMNS for g in re.findall(r"x\.g(\d+)", _field(i, kind, regex, col) or "")}
             for i, kind, regex, _first in classes}
     cuts = {i: cut for i, _kind, regex, first in classes if first is not None and used[i] <= {1}
-            and (cut := _first_group_cut(regex, f"m{i}")) is not None}
+            and (cut := _first_group_cut(regex, f"m{i}")) is not None} if fast else {}
+    # a kind whose pattern ends in "(.*)$" is matched by its prefix alone (which RE2 stops at, instead of running
+    # the rest to the end of the line): the last group is the text after that match, the others are read from it
+    rests = {i: prefix for i, _kind, regex, first in classes if fast and first is not None and i not in cuts
+             and used[i] and (prefix := rest_prefix(regex)) is not None}
     whens = []
     for i, _kind, regex, first in classes:
-        if i in cuts:
+        if i in cuts or i in rests:
             whens.append(f"WHEN m{i} <> '' THEN {i}")
         else:
             cond = rx("regexp_matches", regex)
             whens.append(f"WHEN w = {sql_str(first)} AND {cond} THEN {i}" if first is not None
                          else f"WHEN {cond} THEN {i}")
     fields = []
-    for col, ctype in _VLLM_COLUMNS.items():
+    for col, ctype in VLLM_COLUMNS.items():
         picks = []
         for i, kind, regex, _first in classes:
             expr = _field(i, kind, regex, col)
@@ -681,18 +721,25 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
                 picks.append(f"WHEN {i} THEN {expr.replace('x.', f'x{i}.')}")
         fields.append(f"CAST(CASE k {' '.join(picks)} END AS {ctype}) AS {col}" if picks
                       else f"CAST(NULL AS {ctype}) AS {col}")
-    matches = "".join(f", CASE WHEN w = {sql_str(first)} THEN {rx('regexp_extract', regex)} END AS m{i}"
-                      for i, _kind, regex, first in classes if i in cuts and first is not None)
+    matches = "".join(f", CASE WHEN w = {sql_str(first)} THEN {rx('regexp_extract', rests.get(i, regex))} END AS m{i}"
+                      for i, _kind, regex, first in classes if (i in cuts or i in rests) and first is not None)
     structs = ""
     for i, _kind, regex, _first in classes:
-        if used[i]:
-            groups = f"struct_pack(g1 := {cuts[i]})" if i in cuts else rx("regexp_extract", regex, _group_list(regex))
-            structs += f", CASE WHEN k = {i} THEN {groups} END AS x{i}"
+        if i in rests:
+            head = "".join(f"g{g} := {rx_of(f'm{i}', rests[i], str(g))}, " for g in sorted(used[i] - {regex.groups}))
+            groups = f"struct_pack({head}g{regex.groups} := substr(msg, length(m{i}) + 1))"
+        elif i in cuts:
+            groups = f"struct_pack(g1 := {cuts[i]})"
+        elif used[i]:
+            groups = rx("regexp_extract", regex, _group_list(regex))
+        else:
+            continue
+        structs += f", CASE WHEN k = {i} THEN {groups} END AS x{i}"
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
     kind_name = f"CASE k {kind_names} END" if kind_names else "NULL::VARCHAR"
-    ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch else ""
+    ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch and not all_ascii else ""
     return f"""CREATE TEMP TABLE vl AS SELECT f, n,
               NULL::VARCHAR AS text, level, ts, {kind_name} AS kind, {', '.join(fields)}
             FROM (SELECT *{structs} FROM (SELECT *, {kind} AS k FROM (SELECT *{matches}
-                  FROM (SELECT *, {VLLM_WORD} AS w{ascii_col} FROM vl_head))))"""
+                  FROM (SELECT *{ascii_col} FROM vl_head))))"""

@@ -159,26 +159,40 @@ def grep_ere(path: str, ere: str, progress: ProgressFn | None = None) -> Iterato
 
 
 def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None = None,
-                     also: Sequence[str] = ()) -> None:
+                     also: Sequence[str] = (), pcre: str | None = None) -> None:
     """``grep -n`` of a POSIX extended regex (or any of the fixed strings ``also``) into the file ``out``
-    ("N:line" per matching line), so the kept lines never pass through Python; raises LogReadError."""
+    ("N:line" per matching line), so the kept lines never pass through Python; raises LogReadError. ``pcre``: a
+    Perl pattern for the same lines, which grep -P runs instead when there is no ``also`` (PCRE skips ahead to the
+    pattern's first character; strings beside it would give several first characters to try instead)."""
     if GREP is None:
         raise LogReadError(f"cannot read {path}: grep is not on PATH")
-    patterns = [arg for s in (ere, *(_ere_escape(a.encode()).decode() for a in also)) for arg in ("-e", s)]
+    done = False
+    if pcre is not None and not also and has_pcre():
+        try:
+            _grep_to_file(path, ["-P", "-e", pcre], out)
+            done = True
+        except LogReadError:
+            pass  # (a line PCRE's limits refuse): the POSIX matcher reads the file
+    if not done:
+        _grep_to_file(path, ["-E", *(arg for s in (ere, *(_ere_escape(a.encode()).decode() for a in also))
+                                     for arg in ("-e", s))], out)
+    if progress is not None:
+        try:
+            progress(os.path.getsize(path))
+        except OSError:
+            pass
+
+
+def _grep_to_file(path: str, pattern_args: list[str], out: str) -> None:
     try:
         with open(out, "wb") as fh:
-            done = subprocess.run([str(GREP), "-n", "-a", "-E", *patterns, "--", path], stdout=fh,
+            done = subprocess.run([str(GREP), "-n", "-a", *pattern_args, "--", path], stdout=fh,
                                   stderr=subprocess.PIPE, env={**os.environ, "LC_ALL": "C"}, check=False)
     except OSError as exc:
         raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
     if done.returncode > 1:  # 1 means "no line matched"
         err = done.stderr.decode(errors="replace").strip()
         raise LogReadError(f"cannot read {path}: {err or f'grep exit {done.returncode}'}")
-    if progress is not None:
-        try:
-            progress(os.path.getsize(path))
-        except OSError:
-            pass
 
 
 def head_lines(path: str, keywords: Sequence[bytes], limit: int) -> Iterator[tuple[int, bytes]]:

@@ -48,6 +48,9 @@ VLLM_MESSAGE_STARTS: Final = ("Bidirectional KV transfer", "Declining expired", 
 # (vLLM's colours, when its output was a terminal, may stand between the header and the message)
 VLLM_PREFILTER: Final = ("\\](\x1b\\[[0-9;]*m)* ("
                          + "|".join(re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", s) for s in VLLM_MESSAGE_STARTS) + ")")
+# the same lines as a Perl pattern (grep -P finds them several times faster when nothing else is searched for)
+VLLM_PREFILTER_PCRE: Final = ("\\](?:\x1b\\[[0-9;]*m)* (?:" + "|".join(re.escape(s) for s in VLLM_MESSAGE_STARTS)
+                              + ")")
 _PREFILTER_BYTES: Final = re.compile(VLLM_PREFILTER.encode())
 _PREFILTER_TEXT: Final = re.compile(VLLM_PREFILTER)
 _JSON_FORMATS: Final = ("events", "client_stats")
@@ -214,7 +217,7 @@ def _grep_vllm(path: str, progress: Callable[[int], None] | None, also: Sequence
     fd, out = tempfile.mkstemp(prefix="kvdiag-vllm-", suffix=".txt")
     os.close(fd)
     try:
-        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also)
+        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also, pcre=VLLM_PREFILTER_PCRE)
     except BaseException:
         os.unlink(out)
         raise
@@ -247,8 +250,10 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
     table = _TABLES[run.files[f].fmt]
     if _csv_safe(path):
         try:
-            run.con.execute(f"INSERT INTO {table} SELECT {f}, CAST(split_part(line, ':', 1) AS BIGINT), "
-                            f"substr(line, strpos(line, ':') + 1) FROM read_csv({ep.sql_str(path)}, {ep.CSV_LINES})")
+            # (the number ends at the first ":": split_part would split the whole line at every one)
+            run.con.execute(f"INSERT INTO {table} SELECT {f}, CAST(left(line, c - 1) AS BIGINT), substr(line, c + 1) "
+                            f"FROM (SELECT line, strpos(line, ':') AS c FROM read_csv({ep.sql_str(path)}, "
+                            f"{ep.CSV_LINES}))")
             # (decode_line keeps a line whole up to MAX_LINE_CHARS bytes, its newline included)
             if not run.con.execute(f"SELECT count(*) FROM {table} WHERE f = {f} AND strlen(line) >= "
                                    f"{MAX_LINE_CHARS}").fetchall()[0][0]:
@@ -356,13 +361,17 @@ def add_document(run: Run, f: int) -> None:
 
 def parse(run: Run) -> None:
     """Lines into record tables (engine_parse), odd JSON lines through json_logs."""
-    many = run.con.execute("SELECT count(*) FROM lines_vllm").fetchall()[0][0] >= ep.ASCII_BRANCH_MIN_LINES
+    # (every vLLM line ASCII: each pattern as written, no Unicode-aware form to compile or test per line)
+    counted = f"SELECT count(*), bool_and({ep.ASCII.format('line')}) FROM lines_vllm"
+    lines, ascii = run.con.execute(counted).fetchall()[0]
+    many, all_ascii = lines >= ep.ASCII_BRANCH_MIN_LINES, bool(ascii)
     stats = any(lf.fmt == "client_stats" for lf in run.files)
-    for q in (*ep.parse_json_sql(stats=stats), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=many)):
+    for q in (*ep.parse_json_sql(stats=stats), *ep.parse_proxy_sql(),
+              *ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii)):
         execute(run, q)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
-    words = [w for (w,) in run.con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
-    execute(run, ep.vllm_records_sql(words, ascii_branch=many))
+    words = [w for (w,) in run.con.execute("SELECT DISTINCT w FROM vl_head").fetchall()]
+    execute(run, ep.vllm_records_sql(words, ascii_branch=many, all_ascii=all_ascii))
     if run.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'cs_doc'").fetchall()[0][0]:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
     ep.read_odd_json(run.con, run.paths, run.stats)
@@ -475,7 +484,8 @@ WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, w_refs
 
 def decide(run: Run) -> None:
     """Correlate, collect the facts and apply the rules: ``decided`` (one row per turn)."""
-    for q in (*join_sql(run.only), *facts_sql(), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL):
+    kinds = [k for (k,) in run.con.execute("SELECT DISTINCT kind FROM vl WHERE kind IS NOT NULL").fetchall()]
+    for q in (*join_sql(run.only), *facts_sql(kinds), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL):
         execute(run, q)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
