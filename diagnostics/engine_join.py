@@ -136,8 +136,9 @@ def join_sql(only: str | None) -> list[str]:
                (SELECT sid FROM slots WHERE rid IS NULL)
            UNION ALL SELECT r.f, r.n, b.sid, NULL FROM ev_rid_only r JOIN by_rid b USING (rid)""",
         # the proxy's requests with their slot, and what the turn's facts read of them (px_facts): the first
-        # line is the head, else where the request starts
-        """CREATE TEMP TABLE px_slot AS
+        # line is the head, else where the request starts (a view: writing the table cost more than its two readers'
+        # joins)
+        """CREATE TEMP VIEW px_slot AS
            SELECT b.sid, p.rid, p.offered, p.seq, p.lookup, p.stored_seq, p.head_age, p.head_ttl,
              coalesce(p.head_seq, p.seq) AS first_ref, p.last_seq,
              CASE WHEN p.head_seq IS NOT NULL THEN p.head_ts ELSE p.first_ts END AS first_ts,
@@ -281,8 +282,7 @@ def _stats_sql(only: str | None) -> list[str]:
            WITH s AS (SELECT * FROM slot_src WHERE conv IN (SELECT conversation_id FROM cs))
            SELECT s.conv, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
              coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k, s.rid, s.turn
-           FROM s LEFT JOIN (SELECT rid, min(seq) AS seq FROM px_req WHERE conv IS NOT NULL
-                             AND rid IN (SELECT rid FROM s) GROUP BY rid) p ON p.rid = s.rid
+           FROM s LEFT JOIN px_req p ON p.rid = s.rid AND p.conv IS NOT NULL
            LEFT JOIN (SELECT rid, min(ts) AS ts FROM ev_slot_key WHERE rid IN (SELECT rid FROM s) GROUP BY rid) t
              ON t.rid = s.rid""",
         # the k-th statistic of a conversation (by messages sent, then start time) goes to its k-th placed turn,
