@@ -148,12 +148,14 @@ def join_sql(only: str | None) -> list[str]:
            FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
         # (the same-numbered turn only for the statistics neither a request id nor a placed turn took: a
-        # subquery over every statistic costs as much as the joins)
+        # subquery over every statistic costs as much as the joins. A placed turn with a request id is the one slot
+        # of that id: no statistic's own slot has an id a turn was placed with)
         """CREATE TEMP TABLE cs_slot AS
            WITH a AS MATERIALIZED (SELECT a.f, a.n, a.sub, a.conversation_id, a.nturn, coalesce(b.sid, pl.sid) AS sid
              FROM cs_pick a LEFT JOIN by_rid b ON b.rid = a.rid_match
-             LEFT JOIN (SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s ON s.conv = p.conv AND s.turn = p.turn
-                          AND s.rid IS NOT DISTINCT FROM p.rid) pl
+             LEFT JOIN (SELECT p.conv, p.k, b.sid FROM placed p JOIN by_rid b ON b.rid = p.rid
+                        UNION ALL SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s
+                          ON p.rid IS NULL AND s.rid IS NULL AND s.conv = p.conv AND s.turn = p.turn) pl
                ON pl.conv = a.conversation_id AND pl.k = a.place AND a.rid_match IS NULL)
            SELECT f, n, sub, sid FROM a WHERE sid IS NOT NULL
            UNION ALL SELECT f, n, sub, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
@@ -197,13 +199,16 @@ def join_sql(only: str | None) -> list[str]:
            named AS (SELECT DISTINCT r.f, r.n, b.sid FROM rids r JOIN by_rid b ON b.rid = r.rid
                      WHERE NOT EXISTS (SELECT 1 FROM rel WHERE rel.f = r.f AND rel.n = r.n))
            SELECT * FROM rel
+           UNION ALL SELECT nm.f, nm.n, nm.sid, CASE fr.role WHEN 'prefill' THEN 'p' WHEN 'decode' THEN 'd' ELSE 'o' END
+           FROM named nm JOIN froles fr USING (f) WHERE fr.role IS NOT NULL
+           -- (a file of no known role tells P's lines by their kind or the handle they name: only its lines join
+           -- their line's fields and slot)
            UNION ALL SELECT nm.f, nm.n, nm.sid, CASE
-               WHEN fr.role = 'prefill' THEN 'p'
-               WHEN fr.role IS NULL AND (v.kind IN ('declining_expired', 'skip_remote_pull')
+               WHEN v.kind IN ('declining_expired', 'skip_remote_pull')
                  OR (v.kind = 'nixl_failure' AND v.ctx_remote_request_id IS NOT NULL
-                     AND hrid(v.ctx_remote_request_id) IS DISTINCT FROM s.rid)) THEN 'p'
-               WHEN fr.role = 'decode' THEN 'd' ELSE 'o' END
-           FROM named nm JOIN vl v USING (f, n) JOIN froles fr USING (f) JOIN slots s ON s.sid = nm.sid""",
+                     AND hrid(v.ctx_remote_request_id) IS DISTINCT FROM s.rid) THEN 'p' ELSE 'o' END
+           FROM named nm JOIN froles fr USING (f) JOIN vl v USING (f, n) JOIN slots s ON s.sid = nm.sid
+           WHERE fr.role IS NULL""",
     ]
 
 
