@@ -65,7 +65,7 @@ def join_sql(only: str | None) -> list[str]:
               SELECT k.id, left(sha256(k.id), l.len) AS tag FROM known_ids k, ({lengths}) l
               WHERE EXISTS (SELECT 1 FROM logged)) t
             WHERE tag IN (SELECT tag FROM logged) AND tag <> id GROUP BY tag""",
-        "UPDATE ev SET cconv = m.conv FROM tag_map m WHERE ev.conversation_id = m.tag",
+        "UPDATE ev_t SET cconv = m.conv FROM tag_map m WHERE ev_t.conversation_id = m.tag",
         "UPDATE pl SET cconv = m.conv FROM tag_map m WHERE pl.conv = m.tag",
         # ---- 1. turn events: router (pass 0), client events their router names (1), other client events (2);
         # pord orders them by (pass, file, line) as one number, for up to 2M files of 2^40 lines (only its order

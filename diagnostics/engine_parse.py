@@ -119,26 +119,36 @@ def _event_type(name: str) -> str:
 
 
 EVENT_FIELDS: Final = tuple(n for n in FIELD_NAMES if n != "attrs")
-_EVENT_SCHEMA: Final = "{" + ", ".join(f'"{n}": "{_event_type(n)}"' for n in FIELD_NAMES) + "}"
 _STAT_KEYS: Final = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms", "input_num_turns",
                      "input_num_tokens", "output_num_tokens", "turn", "request_id")
 _STAT_SCHEMA: Final = "{" + ", ".join(f'"{k}": "JSON"' for k in _STAT_KEYS) + "}"
+# what ev carries besides the event fields (the attrs' fields the rules read are typed apart)
+_EV_EXTRA: Final = {"text": "VARCHAR", "cconv": "VARCHAR", "attr_bidir": "BOOLEAN", "attr_block_size": "BIGINT",
+                    "attr_ttl": "DOUBLE"}
+# fields every vouched-for event has (the required keys) or ev_t keeps whatever the lines hold (cconv's source)
+_EV_ALWAYS: Final = ("v", "ts", "source", "event", "conversation_id")
 
 
-def _event_ok() -> str:
-    """event_from_dict's rules, on the typed values (DuckDB coerces a quoted number; docs/design.md)."""
+def ev_column_type(name: str) -> str:
+    """The SQL type of a column of ev."""
+    return _EV_EXTRA.get(name) or _event_type(name)
+
+
+def _event_ok(fields: Collection[str]) -> str:
+    """event_from_dict's rules, on the typed values (DuckDB coerces a quoted number; docs/design.md); a field
+    no line has is NULL everywhere, which every rule but the required ones lets pass."""
     checks = [f"j.v = {SCHEMA_VERSION}", "j.ts IS NOT NULL", "j.source IS NOT NULL", "j.event IS NOT NULL",
               # (per source, not the pair's text: an IN over many strings is a join)
               "CASE j.source " + " ".join(f"WHEN {sql_str(src)} THEN j.event IN ({_in(evs)})"
                                          for src, evs in EVENTS_BY_SOURCE.items()) + " ELSE false END",
-              f"coalesce(j.outcome IN ({_in(v.value for v in Verdict)}), true)",
-              f"coalesce(j.status IN ({_in(STATUSES)}), true)",
-              f"coalesce(j.trim_reason IN ({_in(r.value for r in TrimReason)}), true)",
-              f"coalesce(j.release_reason IN ({_in(RELEASE_REASONS)}), true)",
-              "coalesce(j.turn >= 1, true)", "coalesce(json_type(j.attrs) = 'OBJECT', true)",
               "isfinite(j.ts)"]
-    checks += [f"coalesce(j.{c} >= 0, true)" for c in sorted(NON_NEGATIVE) if c in FIELD_NAMES and c != "v"]
-    checks += [f"coalesce(isfinite(j.{c}), true)" for c in sorted(FLOAT_FIELDS) if c != "ts"]
+    for col, values in (("outcome", (v.value for v in Verdict)), ("status", STATUSES),
+                        ("trim_reason", (r.value for r in TrimReason)), ("release_reason", RELEASE_REASONS)):
+        checks += [f"coalesce(j.{col} IN ({_in(values)}), true)"] if col in fields else []
+    checks += ["coalesce(j.turn >= 1, true)"] if "turn" in fields else []
+    checks += ["coalesce(json_type(j.attrs) = 'OBJECT', true)"] if "attrs" in fields else []
+    checks += [f"coalesce(j.{c} >= 0, true)" for c in sorted(NON_NEGATIVE) if c in fields and c != "v"]
+    checks += [f"coalesce(isfinite(j.{c}), true)" for c in sorted(FLOAT_FIELDS) if c != "ts" and c in fields]
     return " AND ".join(checks)
 
 
@@ -173,89 +183,99 @@ _STAT_COLUMNS: Final = f"""NULL::VARCHAR AS text,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
               CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub"""
 _STAT_ROW: Final = "json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')"
+_LINES: Final = f"(SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''"
 
 
 def parse_json_sql(*, stats: bool = True) -> list[str]:
-    """Statements: ``ev`` and ``cs`` from lines_json, and ``json_odd``: the lines json_logs must read. With
-    ``stats`` (some input is a client statistics file) the key list tells each line's schema first, and only
-    the events' lines are typed as events; without, every line is typed as an event in the pass that lists its
-    keys (the few other objects' lines typed after)."""
-    keys = _in(FIELD_NAMES)
-    t = _trimmed("line")
-    lines = f"(SELECT f, n, {t} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''"
+    """Statements: each JSON line's key list (``jl``: its hash ``k``, NULL for a line that is no JSON object) and
+    the key lists themselves (``jk``, one row each). With ``stats`` (some input is a client statistics file) a
+    line whose keys are no event's is typed as a statistic in the same pass. Then ``parse_events_sql``."""
     # (a key list is kept as its 64-bit hash: a list or its JSON text per line costs as much as the parse; a
     # NULL hash is a line that is no JSON object (TRY), one json_logs must read)
-    event_columns = f"""f, n, NULL::VARCHAR AS text,
-              {', '.join(f'j.{c} AS {c}' for c in EVENT_FIELDS)}, j.conversation_id AS cconv,
-              CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
+    if stats:
+        # (a stock run's lines are mostly statistics: they never meet the event schema nor carry its columns)
+        jl = f"""CREATE TEMP TABLE jl AS SELECT f, n, k,
+              CASE WHEN NOT is_event THEN from_json(t, '{_STAT_SCHEMA}') END AS s
+            FROM (SELECT f, n, t, CASE WHEN kl IS NOT NULL THEN hash(kl) END AS k, {_HAS_EVENT_KEYS.format('kl')}
+                    AS is_event FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
+                                      FROM {_LINES}))"""
+    else:  # (the hash of the list in one TRY: a list column in between costs a third more)
+        jl = f"""CREATE TEMP TABLE jl AS SELECT f, n,
+              CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k FROM {_LINES}"""
+    return [
+        jl,
+        # the key lists are few: each is checked once, on the first line that has it
+        f"""CREATE TEMP TABLE jk AS SELECT k, kl, {_HAS_EVENT_KEYS.format('kl')} AS is_event,
+              list_has_all([{_in(FIELD_NAMES)}], kl) AS known
+            FROM (SELECT r.k, json_keys({_trimmed('l.line')}) AS kl FROM (SELECT k, min((f::BIGINT << 40) + n) AS ref
+                  FROM jl WHERE k IS NOT NULL GROUP BY k) r
+                  JOIN lines_json l ON l.f = (r.ref >> 40)::INTEGER AND l.n = r.ref & ((1::BIGINT << 40) - 1))""",
+    ]
+
+
+def event_fields(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The event fields some vouched-for event line (keys in ``jk``) has, in the schema's order."""
+    have = {k for (k,) in con.execute("SELECT DISTINCT unnest(kl) FROM jk WHERE is_event AND known").fetchall()}
+    return [c for c in FIELD_NAMES if c in have or c in _EV_ALWAYS]
+
+
+def parse_events_sql(fields: Collection[str], *, stats: bool = True) -> list[str]:
+    """Statements (after parse_json_sql): ``ev`` (a view of ``ev_t``, which holds the columns of ``fields``, the
+    ones some line has: the others are NULL in every row), ``cs`` from lines_json, and ``json_odd``: the lines
+    json_logs must read. Only the lines of an event's known key list are typed as events."""
+    schema = "{" + ", ".join(f'"{c}": "{_event_type(c)}"' for c in FIELD_NAMES if c in fields) + "}"
+    attrs = ("""CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
                    THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
               CASE WHEN json_type(j.attrs, '$.block_size') IN ('BIGINT', 'UBIGINT')
                    THEN TRY_CAST(j.attrs ->> '$.block_size' AS BIGINT) END AS attr_block_size,
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
-                   THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,
-              k, {_event_ok()} AS ok"""
+                   THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,"""
+             if "attrs" in fields else "")
+    typed = ", ".join(f"j.{c} AS {c}" for c in EVENT_FIELDS if c in fields)
     if stats:
-        keyed = "jl"
-        parsed = [
-            # each line's key list, and a statistic typed in the same pass (a stock run's lines are mostly
-            # statistics: they never meet the event schema nor carry its columns)
-            f"""CREATE TEMP TABLE jl AS SELECT f, n, k, is_event,
-                  CASE WHEN NOT is_event THEN from_json(t, '{_STAT_SCHEMA}') END AS s
-                FROM (SELECT f, n, t, CASE WHEN kl IS NOT NULL THEN hash(kl) END AS k,
-                        {_HAS_EVENT_KEYS.format('kl')} AS is_event
-                      FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
-                            FROM {lines}))""",
-            # the events' lines typed (the CASE on the joined side keeps the parse after the join)
-            f"""CREATE TEMP TABLE ev AS SELECT {event_columns}
-                FROM (SELECT l.f, l.n, jl.k, from_json(CASE WHEN jl.is_event THEN {t} END, '{_EVENT_SCHEMA}') AS j
-                      FROM lines_json l JOIN jl USING (f, n) WHERE jl.is_event)""",
-        ]
-        # lines that are no JSON object, and the events the checks reject
-        odd = """SELECT f, n FROM jl WHERE k IS NULL
-              UNION ALL SELECT e.f, e.n FROM ev e JOIN jk USING (k) WHERE jk.is_event AND NOT (jk.known AND e.ok)"""
         stat_rows = f"SELECT f, n, {_STAT_COLUMNS} FROM jl WHERE {_STAT_ROW}"
     else:
-        keyed = "ev"
-        parsed = [
-            # every JSON object typed by the event schema and its keys listed, in one pass over the lines (a copy
-            # of their text for a second pass cost more than either parse)
-            f"""CREATE TEMP TABLE ev AS SELECT {event_columns}
-                FROM (SELECT f, n, k, CASE WHEN k IS NOT NULL THEN from_json(t, '{_EVENT_SCHEMA}') END AS j
-                      FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k
-                            FROM {lines}))""",
-        ]
-        odd = """SELECT e.f, e.n FROM ev e LEFT JOIN jk USING (k)
-              WHERE e.k IS NULL OR (jk.is_event AND NOT (jk.known AND e.ok))"""
         # (the CASE on the joined side keeps the parse after the join: the filter on its result was pushed below
         # it, onto every line)
         stat_rows = f"""SELECT f, n, {_STAT_COLUMNS}
-            FROM (SELECT l.f, l.n, from_json(CASE WHEN o.stat THEN {t} END, '{_STAT_SCHEMA}') AS s FROM lines_json l
-                  JOIN (SELECT e.f, e.n, NOT jk.is_event AS stat FROM ev e JOIN jk USING (k) WHERE NOT jk.is_event) o
-                  USING (f, n))
+            FROM (SELECT l.f, l.n, from_json(CASE WHEN NOT jk.is_event THEN {_trimmed('l.line')} END, '{_STAT_SCHEMA}')
+                    AS s FROM lines_json l JOIN jl USING (f, n) JOIN jk USING (k) WHERE NOT jk.is_event)
             WHERE {_STAT_ROW}"""
     return [
-        *parsed,
-        # the key lists are few: each is checked once, on the first line that has it (rows of ev that are no
-        # vouched-for event are deleted below)
-        f"""CREATE TEMP TABLE jk AS SELECT k, {_HAS_EVENT_KEYS.format('kl')} AS is_event,
-              list_has_all([{keys}], kl) AS known
-            FROM (SELECT r.k, json_keys({t}) AS kl FROM (SELECT k, min((f::BIGINT << 40) + n) AS ref FROM {keyed}
-                  WHERE k IS NOT NULL GROUP BY k) r
-                  JOIN lines_json l ON l.f = (r.ref >> 40)::INTEGER AND l.n = r.ref & ((1::BIGINT << 40) - 1))""",
-        # everything else json_logs reads itself (the few such lines are looked up, not the many good ones
-        # anti-joined)
-        f"CREATE TEMP TABLE json_odd AS SELECT l.f, l.n, l.line FROM lines_json l JOIN ({odd}) b USING (f, n)",
+        # the events' lines typed, the schema narrowed to the fields some line has (the CASE on the joined side
+        # keeps the parse after the join)
+        f"""CREATE TEMP TABLE ev_t AS SELECT f, n, NULL::VARCHAR AS text, {typed}, j.conversation_id AS cconv,
+              {attrs} {_event_ok(fields)} AS ok
+            FROM (SELECT l.f, l.n, from_json(CASE WHEN jk.known THEN {_trimmed('l.line')} END, '{schema}') AS j
+                  FROM lines_json l JOIN jl USING (f, n) JOIN jk USING (k) WHERE jk.is_event AND jk.known)""",
+        # everything else json_logs reads itself: the lines that are no JSON object, the events with a key the
+        # schema does not know and those the checks reject (the few such lines are looked up, not the many good
+        # ones anti-joined)
+        """CREATE TEMP TABLE json_odd AS SELECT l.f, l.n, l.line FROM lines_json l JOIN (
+              SELECT f, n FROM jl WHERE k IS NULL
+              UNION ALL SELECT f, n FROM jl JOIN jk USING (k) WHERE jk.is_event AND NOT jk.known
+              UNION ALL SELECT f, n FROM ev_t WHERE NOT ok) b USING (f, n)""",
         # the other objects' lines as client statistics
         f"CREATE TEMP TABLE cs AS {stat_rows}",
         # what stays is the events the checks vouch for (a NULL check keeps its row, as before)
-        """DELETE FROM ev WHERE k IS NULL OR k IN (SELECT k FROM jk WHERE NOT (is_event AND known)) OR NOT ok""",
-        "ALTER TABLE ev DROP COLUMN ok",
-        "ALTER TABLE ev DROP COLUMN k",
-        *(("DROP TABLE jl",) if stats else ()),
+        "DELETE FROM ev_t WHERE NOT ok",
+        "ALTER TABLE ev_t DROP COLUMN ok",
+        "DROP TABLE jl",
+        ev_view_sql([*fields, "text", "cconv", *(("attr_bidir", "attr_block_size", "attr_ttl") if "attrs" in fields
+                                                 else ())]),
     ]
 
 
 EV_ROW_COLUMNS: Final = ("f", "n", "text", *EVENT_FIELDS, "cconv", "attr_bidir", "attr_block_size", "attr_ttl")
+
+
+def ev_view_sql(columns: Collection[str]) -> str:
+    """``ev``: every column of EV_ROW_COLUMNS, from ``ev_t``'s ``columns`` (the others NULL)."""
+    return "CREATE OR REPLACE TEMP VIEW ev AS SELECT " + ", ".join(
+        c if c in columns or c in ("f", "n") else f"NULL::{ev_column_type(c)} AS {c}" for c in EV_ROW_COLUMNS
+    ) + " FROM ev_t"
+
+
 CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latency_ms", "start_time_ms",
                          "input_num_turns", "input_num_tokens", "output_num_tokens", "turn", "request_id", "sub")
 
@@ -291,8 +311,23 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
                 stats_rows.append((f, rec.lineno, rec.text, rec.conversation_id, rec.ttft_ms, rec.latency_ms,
                                    rec.start_time_ms, rec.input_num_turns, rec.input_num_tokens,
                                    rec.output_num_tokens, rec.turn, rec.request_id, sub))
-    _append_rows(con, "ev", EV_ROW_COLUMNS, events)
+    _append_events(con, events)
     _append_rows(con, "cs", CS_ROW_COLUMNS, stats_rows)
+
+
+def _append_events(con: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]) -> None:
+    """Rows of EV_ROW_COLUMNS into ev_t, which gets the columns they set that no SQL-read line had."""
+    if not rows:
+        return
+    have = [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'ev_t' "
+                                      "ORDER BY column_index").fetchall()]
+    new = [c for i, c in enumerate(EV_ROW_COLUMNS) if c not in have and any(r[i] is not None for r in rows)]
+    for c in new:
+        con.execute(f"ALTER TABLE ev_t ADD COLUMN {c} {ev_column_type(c)}")
+    if new:
+        con.execute(ev_view_sql([*have, *new]))
+    keep = [i for i, c in enumerate(EV_ROW_COLUMNS) if c in have or c in new]
+    _append_rows(con, "ev_t", tuple(EV_ROW_COLUMNS[i] for i in keep), [tuple(r[i] for i in keep) for r in rows])
 
 
 def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str, ...],

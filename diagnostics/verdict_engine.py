@@ -366,7 +366,9 @@ def parse(run: Run) -> None:
     lines, ascii = run.con.execute(counted).fetchall()[0]
     many, all_ascii = lines >= ep.ASCII_BRANCH_MIN_LINES, bool(ascii)
     stats = any(lf.fmt == "client_stats" for lf in run.files)
-    for q in (*ep.parse_json_sql(stats=stats), *ep.parse_proxy_sql(),
+    for q in ep.parse_json_sql(stats=stats):
+        execute(run, q)
+    for q in (*ep.parse_events_sql(ep.event_fields(run.con), stats=stats), *ep.parse_proxy_sql(),
               *ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii)):
         execute(run, q)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
@@ -375,6 +377,8 @@ def parse(run: Run) -> None:
     if run.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'cs_doc'").fetchall()[0][0]:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
     ep.read_odd_json(run.con, run.paths, run.stats)
+    if not run.evidence:  # (only an evidence text reads a JSON line again: its memory goes for the joins)
+        run.con.execute("DROP TABLE lines_json")
 
 
 VIEWS_SQL: Final = """CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);

@@ -55,7 +55,10 @@ def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
         table = ("lines_proxy" if "proxy" in path.name else "lines_json" if path.suffix in (".json", ".jsonl")
                  else "lines_vllm")
         loaded[f] = _load(con, table, f, path)
-    for q in (*ep.parse_json_sql(stats=stats), *ep.parse_proxy_sql(), *ep.vllm_head_sql(ascii_branch=ascii_branch)):
+    for q in ep.parse_json_sql(stats=stats):
+        con.execute(q)
+    for q in (*ep.parse_events_sql(ep.event_fields(con), stats=stats), *ep.parse_proxy_sql(),
+              *ep.vllm_head_sql(ascii_branch=ascii_branch)):
         con.execute(q)
     present = [w for (w,) in con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
     con.execute(ep.vllm_records_sql(present if words else None, ascii_branch=ascii_branch))
@@ -215,3 +218,32 @@ def test_non_ascii_lines_take_the_unicode_patterns(tmp_path: Path) -> None:
                              {"t": "Received request chatcmpl-é1: params", "p": received.pattern,
                               "u": ep._re2(received)}).fetchall()[0]
     assert as_written == (False, True)
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_events_carry_every_field_json_logs_reads(tmp_path: Path, stats: bool) -> None:
+    # ev_t holds only the fields some line the SQL reads has: a field that only a line json_logs reads sets (an
+    # array of events on one line) is added for its rows, and ev shows every field either way
+    good = {"v": 1, "ts": 1.0, "source": "decode", "event": "decode_request", "conversation_id": "c", "turn": 1,
+            "request_id": "r", "engine_request_id": "x-1"}
+    later = {**good, "ts": 2.0, "decode_ms": 5.5, "attrs": {"block_size": 16, "bidirectional_kv_xfer": True}}
+    path = tmp_path / "decode-events.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps([good, later]) + "\n" + json.dumps({**good, "turn": 2})
+                    + "\n")
+    files = [p for p in _inputs(tmp_path) if p.suffix == ".jsonl"] + [path]
+    con, loaded = _engine(files, stats=stats)
+    assert [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'ev' "
+                                      "ORDER BY column_index").fetchall()] == list(ep.EV_ROW_COLUMNS)
+    cols = [c for c in ep.EV_ROW_COLUMNS if c not in ("f", "n", "text", "cconv")]
+    got = sorted(con.execute(f"SELECT f, n, {', '.join(cols)} FROM ev").fetchall(), key=repr)
+    want = []
+    for f, p in enumerate(files):
+        for rec in parse_json_numbered(loaded[f], str(p)):
+            if isinstance(rec, EventRecord):
+                e, a = rec.event, rec.event.attrs
+                want.append((f, rec.lineno, *(getattr(e, c) for c in cols[:-3]),
+                             a.get("bidirectional_kv_xfer"), a.get("block_size"), a.get("decoder_kv_blocks_ttl")))
+    assert got == sorted(want, key=repr)
+    decode_ms, block = 2 + cols.index("decode_ms"), 2 + cols.index("attr_block_size")
+    assert any(r[:2] == (len(files) - 1, 2) and r[decode_ms] == 5.5 and r[block] == 16 for r in got)
+    assert len(got) > 100
