@@ -25,12 +25,9 @@ from typing import TYPE_CHECKING, Final
 
 import duckdb
 
-from kvdiag.diagnostics import proxy_log_parser as proxy_log
 from kvdiag.diagnostics import vllm_log_parser as vllm_log
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
-from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS as PROXY_CLASSIFIERS
-from kvdiag.diagnostics.proxy_log_parser import PROXY_RE
 from kvdiag.schema.events import (
     EVENTS_BY_SOURCE,
     FIELD_NAMES,
@@ -339,9 +336,14 @@ def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str,
 
 
 # ---------------------------------------------------------------------------------------------
-# The proxy log.
+# The proxy log (engine_proxy) and the patterns' reading, which the vLLM statements share.
 
-_PROXY_NAMES: Final = ("conv", "age", "ttl", "remote", "blocks", "rid", "why", "ms", "detail", "p", "d")
+
+def parse_proxy_sql() -> list[str]:
+    """Statements: ``pl`` from lines_proxy (engine_proxy.parse_proxy_sql)."""
+    from kvdiag.diagnostics.engine_proxy import parse_proxy_sql  # noqa: PLC0415  (it reads this module's helpers)
+
+    return parse_proxy_sql()
 
 
 def _re2(pattern: re.Pattern[str]) -> str:
@@ -390,127 +392,6 @@ def _vllm_rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: 
         return _rx(fn, col, regex, *args, ascii_flag=ascii_flag, ascii_branch=ascii_branch)
     rest = "".join(f", {a}" for a in args)
     return f"{fn}({col}, {sql_str(('(?s)' if regex.flags & re.DOTALL else '') + regex.pattern)}{rest})"
-
-
-def _between(start: str, end: str | None) -> str:
-    """The text of ``msg`` after the first ``start``, up to the first ``end`` after it (or to the end); the
-    pattern that classified the line proves an ``end`` follows."""
-    after = f"substr(msg, strpos(msg, {sql_str(start)}) + {len(start)})"
-    return after if end is None else f"left({after}, strpos({after}, {sql_str(end)}) - 1)"
-
-
-# Groups of the common proxy lines cut out by position: the kind's pattern (matched without captures, which
-# RE2 runs several times faster) proves the shape, and each group then ends at the first character its
-# class excludes (a space for conversation ids, "]" for request ids, a letter for numbers). The rest are
-# extracted by their pattern.
-_RID: Final = "substr(msg, 2, strpos(msg, ']') - 2)"  # the message starts with "[", the id holds no "]"
-# a conversation id holds no space: it ends at the message's first ": " (a "conv=" message), or at the first
-# ": " after the request id (which may hold one)
-_CONV_C: Final = "substr(msg, 6, strpos(msg, ': ') - 6)"
-_AFTER_CONV: Final = "substr(msg, strpos(msg, ']') + 7)"
-_CONV_B: Final = f"left({_AFTER_CONV}, strpos({_AFTER_CONV}, ': ') - 1)"
-_AFTER_MISS: Final = f"substr({_AFTER_CONV}, strpos({_AFTER_CONV}, ': cache MISS') + 12)"
-
-
-def _after_id(text: str, literal: str, end: str) -> str:
-    """The group after the id that starts ``text`` and the ``literal`` that follows the id (its first ": "), up
-    to the first ``end``: the id may hold the literal's last words (``(remote_request_id=``), never its ": "."""
-    after = f"substr({text}, strpos({text}, ': ') + {len(literal)})"
-    return f"left({after}, strpos({after}, {sql_str(end)}) - 1)"
-
-
-_PROXY_CUTS: Final[dict[str, dict[str, str]]] = {
-    "stale": {"conv": _CONV_C, "age": _between(": stale cache entry (age=", "s"), "ttl": _between(" > ttl=", "s")},
-    "hit": {"conv": _CONV_C, "age": _between(": cache HIT (age=", "s")},
-    "cached": {"conv": _CONV_C, "remote": _after_id("msg", ": cached D blocks (remote_request_id=", ","),
-               "blocks": _between(", blocks=", ")")},
-    "no_conversation_id": {"rid": _RID},
-    "sending": {"rid": _RID, "conv": _CONV_B,
-                "remote": _after_id(_AFTER_CONV, ": sending D's cached blocks to P (remote_request_id=", ")")},
-    "no_handle": {"rid": _RID, "conv": _CONV_B},
-    "prefill_done": {"rid": _RID, "ms": _between("] Prefill done in ", "m")},
-    "prefill_failed": {"rid": _RID, "detail": _between("] Prefill request failed: ", None)},
-    "decode_failed": {"rid": _RID, "detail": _between("] Decode request failed: ", None)},
-    # "cache MISS" then, optionally, " (why)": the why ends at the first ")" ('' is no why)
-    "miss": {"rid": _RID, "conv": _CONV_B,
-             "why": "CASE WHEN starts_with(mw, ' (') AND strpos(substr(mw, 3), ')') > 0 THEN nullif(split_part("
-                    "substr(mw, 3), ')', 1), '') END".replace("mw", _AFTER_MISS)},
-}
-# PROXY_RE up to its message, for the line check: a line holds no newline, so "(?P<msg>.*)$" matches whatever
-# follows (and RE2 stops at the prefix instead of scanning to the end)
-_PROXY_MSG: Final = "(?P<msg>.*)$"
-if not PROXY_RE.pattern.endswith(_PROXY_MSG):
-    raise ValueError("PROXY_RE must end with its message group (the head check cuts it off)")
-PROXY_HEAD_RE: Final = re.compile(PROXY_RE.pattern[:-len(_PROXY_MSG)])
-
-
-def _marker(regex: re.Pattern[str]) -> str:
-    """The longest literal run of the pattern (every line of its kind contains it): a cheap test first."""
-    runs = re.findall(r"(?:\\.|[^\\()\[\]?*+{}|^$.])+", regex.pattern)
-    literals = [re.sub(r"\\(.)", r"\1", r) for r in runs if not re.search(r"\\[dDsSwWbB]", r)]
-    return max(literals, key=len)
-
-
-def parse_proxy_sql() -> list[str]:
-    """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives."""
-    kinds = [f"WHEN lead = {sql_str(proxy_log._lead(regex))} AND contains(msg, {sql_str(_marker(regex))}) "
-             f"AND regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}"
-             for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS)]
-    fields = []
-    for name in _PROXY_NAMES:
-        by_value: dict[str, list[int]] = {}
-        for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS):
-            if name not in regex.groupindex:
-                continue
-            if name in _PROXY_CUTS.get(kind, {}):
-                value = _PROXY_CUTS[kind][name]
-            else:
-                # regexp_extract gives '' for a group that took no part: an optional group's '' is no value
-                value = f"regexp_extract(msg, {sql_str(_re2(regex))}, {regex.groupindex[name]})"
-                value = f"nullif({value}, '')" if name in _optional_groups(regex) else value
-            by_value.setdefault(value, []).append(i)
-        # (the kinds that cut a group alike in one branch)
-        whens = [f"WHEN k IN ({', '.join(map(str, ks))}) THEN {value}" for value, ks in by_value.items()]
-        fields.append(f"CASE {' '.join(whens)} END AS {name}" if whens else f"NULL AS {name}")
-    kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
-    # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message;
-    # the time and level hold no ": ", so the first is the one after the name
-    msg = "substr(t, strpos(t, ': ') + 2)"
-    return [
-        # seq orders the lines: files in reading order, then lines. The kind is computed once, in one
-        # projection with the groups; the lines no classifier takes are deleted after (as a filter, DuckDB
-        # would run the patterns twice, and a materialized step copies every line)
-        f"""CREATE TEMP TABLE pl AS
-            WITH m AS (SELECT f, n, left(t, 19) AS ts, {msg} AS msg, left({msg}, 1) AS lead
-                FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
-                WHERE regexp_matches(t, {sql_str(_re2(PROXY_HEAD_RE))})),
-            c AS (SELECT *, CASE {' '.join(kinds)} END AS k FROM m)
-            SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
-              SELECT f, n, ts, CASE k {kind_names} END AS kind, {', '.join(fields)} FROM c)""",
-        "DELETE FROM pl WHERE kind IS NULL",
-    ]
-
-
-def _optional_groups(regex: re.Pattern[str]) -> set[str]:
-    """The named groups inside an optional part of the pattern ("(...)?" or "(...)*")."""
-    src, stack, spans = regex.pattern, [], []
-    i = 0
-    while i < len(src):
-        if src[i] == "\\":
-            i += 2
-            continue
-        if src[i] == "[":  # a character class: its brackets and parentheses are literal
-            i = src.index("]", i + 2 if src[i + 1:i + 2] in ("]", "^") else i + 1) + 1
-            continue
-        if src[i] == "(":
-            stack.append(i)
-        elif src[i] == ")" and stack:
-            start = stack.pop()
-            if i + 1 < len(src) and src[i + 1] in "?*":
-                spans.append((start, i))
-        i += 1
-    return {name for name in regex.groupindex
-            if any(a < src.index(f"(?P<{name}>") < b for a, b in spans)}
 
 
 def _in_ordered(values: list[str]) -> str:

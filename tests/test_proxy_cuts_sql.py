@@ -12,6 +12,7 @@ import duckdb
 import pytest
 
 from kvdiag.diagnostics import engine_parse as ep
+from kvdiag.diagnostics import engine_proxy
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 
@@ -32,6 +33,8 @@ ADVERSARIAL = [
     *(f"conv={c}: stale cache entry (age=9.0s > ttl=4.5s), discarding" for c in CONVS),
     *(f"conv={c}: cached D blocks (remote_request_id=chatcmpl-{c}-1, blocks=7)" for c in CONVS),
     "conv=c: cached D blocks (remote_request_id=a(b, blocks=7)", "[r] conv=c: cache MISS ()",
+    # (a remote request id, and the text after the pattern, may hold ": ")
+    "conv=c: cached D blocks (remote_request_id=a: b, blocks=7)", "conv=c: cache HIT (age=3.5s): then x",
     "[r] conv=c: cache MISS (why", "[r]] conv=c: cache MISS", "[] conv=c: cache MISS", "conv=: cache HIT (age=1s)",
     "conv=a b: cache HIT (age=1s)", "[r] conv=a b: cache MISS", "[r] Prefill done in ms",
 ]
@@ -87,5 +90,26 @@ def test_cut_groups_equal_the_parser_on_the_fixture_logs() -> None:
 ])
 def test_a_wrong_cut_is_caught(monkeypatch: pytest.MonkeyPatch, kind: str, group: str, wrong: str) -> None:
     lines = [HEAD + m for m in ADVERSARIAL]
-    monkeypatch.setitem(ep._PROXY_CUTS[kind], group, wrong)
+    monkeypatch.setitem(engine_proxy._PROXY_CUTS[kind], group, wrong)
+    assert _pl(lines) != _want(lines)
+
+
+@pytest.mark.parametrize(("lead", "wrong"), [
+    # the negative controls of the id's end that the kind tests and the cuts read: the message's last "]" or
+    # ": " instead of the first
+    ("[", "length(msg) - strpos(reverse(msg), ']') + 1"),
+    ("c", "length(msg) - strpos(reverse(msg), ' :')"),
+])
+def test_a_wrong_id_end_is_caught(monkeypatch: pytest.MonkeyPatch, lead: str, wrong: str) -> None:
+    lines = [HEAD + m for m in ADVERSARIAL]
+    monkeypatch.setitem(engine_proxy._ID_END, lead, wrong)
+    assert _pl(lines) != _want(lines)
+
+
+def test_the_kind_tests_alone_do_not_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the control for the tests before each pattern: without the pattern, lines the tests pass but the pattern
+    # rejects (a conversation id with a space, a time without digits) would take a kind
+    lines = [HEAD + m for m in ADVERSARIAL]
+    assert _pl(lines) == _want(lines)
+    monkeypatch.setattr(engine_proxy, "_matches", lambda regex: "true")
     assert _pl(lines) != _want(lines)
