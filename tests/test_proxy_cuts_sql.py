@@ -1,11 +1,13 @@
-"""The proxy groups the engine cuts by position equal the proxy parser's groups, on ids built to trip a cut.
+"""The proxy groups the engine reads equal the proxy parser's groups, on ids built to trip a wrong reading.
 
-A cut finds a group's end by the first ``]`` or ``": "`` after a place the classifier's pattern fixes; ids
-holding those characters (where the pattern allows them) are where a wrong cut would show.
+The engine tells a line's kind by the text after its id (the message's first ``]`` or ``": "``) and reads the
+groups with a one-pass form of the pattern (the conversation id read greedily up to the space); ids holding
+those characters (where the pattern allows them) are where a wrong reading would show.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -36,7 +38,8 @@ ADVERSARIAL = [
     # (a remote request id, and the text after the pattern, may hold ": ")
     "conv=c: cached D blocks (remote_request_id=a: b, blocks=7)", "conv=c: cache HIT (age=3.5s): then x",
     "[r] conv=c: cache MISS (why", "[r]] conv=c: cache MISS", "[] conv=c: cache MISS", "conv=: cache HIT (age=1s)",
-    "conv=a b: cache HIT (age=1s)", "[r] conv=a b: cache MISS", "[r] Prefill done in ms",
+    "conv=a b: cache HIT (age=1s)", "[r] conv=a b: cache MISS", "[r] Prefill done in ms", "conv=c cache HIT (age=1s)",
+    "[r] conv=c cache MISS", "conv=c cached D blocks (remote_request_id=a, blocks=7)",
 ]
 
 
@@ -82,15 +85,27 @@ def test_cut_groups_equal_the_parser_on_the_fixture_logs() -> None:
     assert _pl(lines) == want
 
 
-@pytest.mark.parametrize(("kind", "group", "wrong"), [
-    # the negative controls: a conversation id cut at the message's first ": " (a request id may hold one),
-    # a request id cut at the last "]" instead of the first
-    ("miss", "conv", "substr(msg, strpos(msg, ': ') - 1)"),
-    ("miss", "rid", "substr(msg, 2, length(msg) - strpos(reverse(msg), ']') - 1)"),
+@pytest.mark.parametrize(("kind", "wrong"), [
+    # the negative controls of the one-pass forms: a request id read up to the last "]" instead of the first, a
+    # conversation id read lazily up to its first ":" (an id may hold one)
+    ("miss", lambda form: form.replace(r"(?P<rid>[^\]]+)", r"(?P<rid>.+)")),
+    ("cached", lambda form: form.replace(r"conv=(?P<conv>\S+) ", r"conv=(?P<conv>[^:]+:) ")),
 ])
-def test_a_wrong_cut_is_caught(monkeypatch: pytest.MonkeyPatch, kind: str, group: str, wrong: str) -> None:
+def test_a_wrong_form_is_caught(monkeypatch: pytest.MonkeyPatch, kind: str, wrong: Callable[[str], str]) -> None:
     lines = [HEAD + m for m in ADVERSARIAL]
-    monkeypatch.setitem(engine_proxy._PROXY_CUTS[kind], group, wrong)
+    assert wrong(engine_proxy._FORMS[kind]) != engine_proxy._FORMS[kind]
+    monkeypatch.setitem(engine_proxy._FORMS, kind, wrong(engine_proxy._FORMS[kind]))
+    assert _pl(lines) != _want(lines)
+
+
+@pytest.mark.parametrize("wrong", [
+    # the negative controls of the greedy conversation id's check: without its ":" (the line has no ": " after the
+    # id), without its length (the id is empty)
+    "{0} <> ''", "ends_with({0}, ':')",
+])
+def test_a_wrong_conversation_id_check_is_caught(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
+    lines = [HEAD + m for m in ADVERSARIAL]
+    monkeypatch.setattr(engine_proxy, "_CONV_READ", wrong)
     assert _pl(lines) != _want(lines)
 
 
@@ -111,5 +126,5 @@ def test_the_kind_tests_alone_do_not_decide(monkeypatch: pytest.MonkeyPatch) -> 
     # rejects (a conversation id with a space, a time without digits) would take a kind
     lines = [HEAD + m for m in ADVERSARIAL]
     assert _pl(lines) == _want(lines)
-    monkeypatch.setattr(engine_proxy, "_matches", lambda regex: "true")
+    monkeypatch.setattr(engine_proxy, "_matched", lambda x, regex: "true")
     assert _pl(lines) != _want(lines)
