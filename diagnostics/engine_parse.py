@@ -153,8 +153,11 @@ def _event_ok(fields: Collection[str]) -> str:
 
 
 def _num(key: str) -> str:
-    # json_logs._num: a JSON number (never a bool or a string)
-    return f"CASE WHEN json_type(s.{key}) IN ('BIGINT', 'UBIGINT', 'DOUBLE') THEN CAST(s.{key} AS DOUBLE) END"
+    # json_logs._num: a JSON number (never a bool or a string). A value's JSON text is a number's unless it opens
+    # a string, bool, object or array (null is NULL), and a number's text casts as DuckDB's JSON cast reads it:
+    # json_type and the JSON cast parse the value twice more
+    return (f"CASE WHEN left(s.{key}, 1) NOT IN ('\"', 't', 'f', '{{', '[') "
+            f"THEN CAST(s.{key}::VARCHAR AS DOUBLE) END")
 
 
 def _int(key: str) -> str:
@@ -194,11 +197,16 @@ def parse_json_sql(*, stats: bool = True) -> list[str]:
     # NULL hash is a line that is no JSON object (TRY), one json_logs must read)
     if stats:
         # (a stock run's lines are mostly statistics: they never meet the event schema nor carry its columns)
-        jl = f"""CREATE TEMP TABLE jl AS SELECT f, n, k,
-              CASE WHEN NOT is_event THEN from_json(t, '{_STAT_SCHEMA}') END AS s
-            FROM (SELECT f, n, t, CASE WHEN kl IS NOT NULL THEN hash(kl) END AS k, {_HAS_EVENT_KEYS.format('kl')}
-                    AS is_event FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
-                                      FROM {_LINES}))"""
+        # (one parse per statistic: only a line whose text names "v", "source" and "event" (or escapes a
+        # character) can have an event's keys, and only it pays for its key list; another object's key list is
+        # never read, its k is 0, and a line no object (from_json fails as json_keys does) has none)
+        jl = f"""CREATE TEMP TABLE jl AS SELECT f, n, CASE WHEN kl IS NOT NULL THEN hash(kl)
+              WHEN NOT maybe AND s IS NOT NULL THEN 0::UBIGINT END AS k, s
+            FROM (SELECT f, n, maybe, kl, CASE WHEN starts_with(t, '{{') AND (NOT maybe OR NOT
+                      {_HAS_EVENT_KEYS.format('kl')}) THEN TRY(from_json(t, '{_STAT_SCHEMA}')) END AS s
+                  FROM (SELECT f, n, t, maybe, CASE WHEN maybe AND starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
+                        FROM (SELECT f, n, t, contains(t, chr(92)) OR (contains(t, '"v"') AND contains(t, '"source"')
+                                AND contains(t, '"event"')) AS maybe FROM {_LINES})))"""
     else:  # (the hash of the list in one TRY: a list column in between costs a third more)
         jl = f"""CREATE TEMP TABLE jl AS SELECT f, n,
               CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k FROM {_LINES}"""
