@@ -282,12 +282,15 @@ def _stats_sql(only: str | None) -> list[str]:
     only_sql = "true" if only is None else f"conversation_id = {sql_str(only)}"
     return [
         # the turns already made, in the order correlate's _request_order gives (turn, then the proxy's order
-        # or the events' time); only conversations with statistics (the only ones placed)
+        # or the events' time); only conversations with statistics (the only ones placed). A request's own slot
+        # (stage 1) holds its place in ord (px_new's 1e12 + seq): only the events' slots look theirs up
         """CREATE TEMP TABLE placed AS
            WITH s AS (SELECT * FROM slot_src WHERE conv IN (SELECT conversation_id FROM cs))
            SELECT s.conv, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
-             coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k, s.rid, s.turn
-           FROM s LEFT JOIN px_req p ON p.rid = s.rid AND p.conv IS NOT NULL
+             coalesce(CASE WHEN s.stage = 1 THEN (s.ord - 1000000000000)::DOUBLE END, p.seq::DOUBLE, t.ts, 0.0),
+             s.stage, s.ord) AS k, s.rid, s.turn
+           FROM s LEFT JOIN (SELECT rid, seq FROM px_req WHERE conv IS NOT NULL
+                             AND rid IN (SELECT rid FROM s WHERE stage = 0)) p ON p.rid = s.rid
            LEFT JOIN (SELECT rid, min(ts) AS ts FROM ev_slot_key WHERE rid IN (SELECT rid FROM s) GROUP BY rid) t
              ON t.rid = s.rid""",
         # the k-th statistic of a conversation (by messages sent, then start time) goes to its k-th placed turn,
