@@ -165,6 +165,11 @@ def _int(key: str) -> str:
     return f"CAST(trunc({_num(key)}) AS BIGINT)"
 
 
+def _json_str(col: str) -> str:
+    # a JSON string's value: its text between the quotes unless the text escapes a character (->> parses it again)
+    return f"CASE WHEN contains({col}, chr(92)) THEN {col} ->> '$' ELSE substr({col}, 2, length({col}) - 2) END"
+
+
 def _trimmed(col: str) -> str:
     # str.strip() of a JSON line: only lines that do not start with "{" and end with "}" pay for it
     return f"CASE WHEN starts_with({col}, '{{') AND ends_with({col}, '}}') THEN {col} ELSE trim({col}, {_WS}) END"
@@ -178,14 +183,14 @@ _RTRIM_EOL: Final = ("CASE WHEN ends_with(line, chr(13)) OR ends_with(line, chr(
 
 _HAS_EVENT_KEYS: Final = "list_contains({0}, 'v') AND list_contains({0}, 'source') AND list_contains({0}, 'event')"
 _STAT_COLUMNS: Final = f"""NULL::VARCHAR AS text,
-              CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
+              CASE WHEN left(s.conversation_id, 1) = '"' THEN {_json_str('s.conversation_id')}
                    ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
               {_num('ttft_ms')} AS ttft_ms, {_num('latency_ms')} AS latency_ms,
               {_num('start_time_ms')} AS start_time_ms, {_int('input_num_turns')} AS input_num_turns,
               {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
-              CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub"""
-_STAT_ROW: Final = "json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')"
+              CASE WHEN left(s.request_id, 1) = '"' THEN {_json_str('s.request_id')} END AS request_id, 0 AS sub"""
+_STAT_ROW: Final = "(left(s.conversation_id, 1) = '\"' OR json_type(s.conversation_id) IN ('BIGINT', 'UBIGINT'))"
 _LINES: Final = f"(SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''"
 
 
