@@ -123,11 +123,14 @@ def join_sql(only: str | None) -> list[str]:
                + row_number() OVER (PARTITION BY conv ORDER BY seq)
            FROM pick c WHERE clash""",
         """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + seq, 1 FROM px_new""",
+        # ---- slots, numbered in the order they were made: the events' and requests' ones before the statistics
+        # place theirs (which come after them), so that a placed turn carries its slot
+        """CREATE TEMP TABLE slots AS SELECT row_number() OVER (ORDER BY stage, ord, conv, turn) AS sid, rid, conv, turn,
+             stage, ord FROM slot_src""",
         # ---- 3. client statistics
         *_stats_sql(only),
-        # ---- slots, numbered in the order they were made
-        """CREATE TEMP TABLE slots AS SELECT row_number() OVER (ORDER BY stage, ord, conv, turn) AS sid, rid, conv, turn
-           FROM (SELECT * FROM slot_src UNION ALL SELECT rid, conv, turn, ord, stage FROM cs_new)""",
+        """INSERT INTO slots SELECT (SELECT coalesce(max(sid), 0) FROM slots) + row_number() OVER (ORDER BY ord, conv, turn),
+             rid, conv, turn, stage, ord FROM cs_new""",
         """CREATE TEMP TABLE by_rid AS SELECT rid, sid FROM slots WHERE rid IS NOT NULL""",
         """CREATE TEMP TABLE ev_slot AS
            SELECT k.f, k.n, s.sid, k.pass FROM ev_slot_key k JOIN slots s ON s.rid = k.rid
@@ -148,15 +151,11 @@ def join_sql(only: str | None) -> list[str]:
            FROM px_req p JOIN by_rid b USING (rid)
            WHERE p.conv IS NOT NULL""",
         # (the same-numbered turn only for the statistics neither a request id nor a placed turn took: a
-        # subquery over every statistic costs as much as the joins. A placed turn with a request id is the one slot
-        # of that id: no statistic's own slot has an id a turn was placed with)
+        # subquery over every statistic costs as much as the joins)
         """CREATE TEMP TABLE cs_slot AS
            WITH a AS MATERIALIZED (SELECT a.f, a.n, a.sub, a.conversation_id, a.nturn, coalesce(b.sid, pl.sid) AS sid
              FROM cs_pick a LEFT JOIN by_rid b ON b.rid = a.rid_match
-             LEFT JOIN (SELECT p.conv, p.k, b.sid FROM placed p JOIN by_rid b ON b.rid = p.rid
-                        UNION ALL SELECT p.conv, p.k, s.sid FROM placed p JOIN slots s
-                          ON p.rid IS NULL AND s.rid IS NULL AND s.conv = p.conv AND s.turn = p.turn) pl
-               ON pl.conv = a.conversation_id AND pl.k = a.place AND a.rid_match IS NULL)
+             LEFT JOIN placed pl ON pl.conv = a.conversation_id AND pl.k = a.place AND a.rid_match IS NULL)
            SELECT f, n, sub, sid FROM a WHERE sid IS NOT NULL
            UNION ALL SELECT f, n, sub, (SELECT min(s.sid) FROM slots s WHERE s.conv = a.conversation_id
              AND s.turn = a.nturn) FROM a WHERE sid IS NULL""",
@@ -173,8 +172,8 @@ def join_sql(only: str | None) -> list[str]:
             WHERE sid IS NULL AND cconv IS NOT NULL AND turn IS NOT NULL AND {only_sql}
               AND NOT EXISTS (SELECT 1 FROM slots s WHERE s.rid IS NULL AND s.conv = eng_ev.cconv
                               AND s.turn = eng_ev.turn)""",
-        """INSERT INTO slots SELECT (SELECT coalesce(max(sid), 0) FROM slots) + row_number() OVER (ORDER BY conv, turn),
-             NULL, conv, turn FROM eng_new""",
+        """INSERT INTO slots (sid, rid, conv, turn) SELECT (SELECT coalesce(max(sid), 0) FROM slots)
+             + row_number() OVER (ORDER BY conv, turn), NULL, conv, turn FROM eng_new""",
         """CREATE TEMP TABLE eng_slot AS SELECT e.f, e.n, e.source, coalesce(e.sid, s.sid) AS sid FROM eng_ev e
            LEFT JOIN slots s ON e.sid IS NULL AND s.rid IS NULL AND s.conv = e.cconv AND s.turn = e.turn
            WHERE coalesce(e.sid, s.sid) IS NOT NULL""",
@@ -282,18 +281,22 @@ def _stats_sql(only: str | None) -> list[str]:
     only_sql = "true" if only is None else f"conversation_id = {sql_str(only)}"
     return [
         # the turns already made, in the order correlate's _request_order gives (turn, then the proxy's order
-        # or the events' time); only conversations with statistics (the only ones placed)
+        # or the events' time); only conversations with statistics (the only ones placed). A request's own slot
+        # (stage 1) holds its place in ord (px_new's 1e12 + seq): only the events' slots look theirs up
         """CREATE TEMP TABLE placed AS
-           WITH s AS (SELECT * FROM slot_src WHERE conv IN (SELECT conversation_id FROM cs))
+           WITH s AS (SELECT * FROM slots WHERE conv IN (SELECT conversation_id FROM cs))
            SELECT s.conv, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
-             coalesce(p.seq::DOUBLE, t.ts, 0.0), s.stage, s.ord) AS k, s.rid, s.turn
-           FROM s LEFT JOIN px_req p ON p.rid = s.rid AND p.conv IS NOT NULL
+             coalesce(CASE WHEN s.stage = 1 THEN (s.ord - 1000000000000)::DOUBLE END, p.seq::DOUBLE, t.ts, 0.0),
+             s.stage, s.ord) AS k, s.rid, s.turn, s.sid
+           FROM s LEFT JOIN (SELECT rid, seq FROM px_req WHERE conv IS NOT NULL
+                             AND rid IN (SELECT rid FROM s WHERE stage = 0)) p ON p.rid = s.rid
            LEFT JOIN (SELECT rid, min(ts) AS ts FROM ev_slot_key WHERE rid IN (SELECT rid FROM s) GROUP BY rid) t
              ON t.rid = s.rid""",
         # the k-th statistic of a conversation (by messages sent, then start time) goes to its k-th placed turn,
         # after the turns the first statistic's message count says were not measured (when there are more placed
         # turns than statistics). One window pass over the columns it needs gives k, the conversation's count
-        # and the first statistic's turn.
+        # and the first statistic's turn. (Whether a statistic's request id has a slot: a join on the ids some
+        # statistic names, each one slot_src row; an IN hashed every slot's id, even when no statistic names one.)
         f"""CREATE TEMP TABLE cs_pick AS
             WITH c AS (SELECT f, n, sub, conversation_id, request_id, turn, all_turns, nstats, row_number() OVER w AS k,
                          first_value(CASE WHEN all_turns THEN 1 WHEN input_num_turns >= 1
@@ -305,10 +308,10 @@ def _stats_sql(only: str | None) -> list[str]:
                        WINDOW w AS (PARTITION BY conversation_id
                          ORDER BY CASE WHEN all_turns THEN 0 ELSE coalesce(input_num_turns, 0) END,
                                   CASE WHEN all_turns THEN 0.0 ELSE coalesce(start_time_ms, 0.0) END, f, n, sub)),
-            m AS (SELECT c.*, c.request_id IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL) AS known,
-                    coalesce(np.nplaced, 0) AS nplaced
+            m AS (SELECT c.*, kn.rid IS NOT NULL AS known, coalesce(np.nplaced, 0) AS nplaced
                   FROM c LEFT JOIN (SELECT conv, count(*) AS nplaced FROM placed GROUP BY conv) np
-                    ON np.conv = c.conversation_id),
+                    ON np.conv = c.conversation_id
+                  LEFT JOIN (SELECT rid FROM slot_src WHERE rid IN (SELECT request_id FROM cs)) kn ON kn.rid = c.request_id),
             o AS (SELECT *, k + CASE WHEN nplaced > nstats THEN first_turn - 1 ELSE 0 END AS kth FROM m)
             SELECT f, n, sub, conversation_id, k, CASE WHEN known THEN request_id END AS rid_match,
               CASE WHEN known OR turn IS NOT NULL THEN NULL WHEN kth <= nplaced THEN kth END AS place,

@@ -150,13 +150,21 @@ def _event_ok(fields: Collection[str]) -> str:
 
 
 def _num(key: str) -> str:
-    # json_logs._num: a JSON number (never a bool or a string)
-    return f"CASE WHEN json_type(s.{key}) IN ('BIGINT', 'UBIGINT', 'DOUBLE') THEN CAST(s.{key} AS DOUBLE) END"
+    # json_logs._num: a JSON number (never a bool or a string). A value's JSON text is a number's unless it opens
+    # a string, bool, object or array (null is NULL), and a number's text casts as DuckDB's JSON cast reads it:
+    # json_type and the JSON cast parse the value twice more
+    return (f"CASE WHEN left(s.{key}, 1) NOT IN ('\"', 't', 'f', '{{', '[') "
+            f"THEN CAST(s.{key}::VARCHAR AS DOUBLE) END")
 
 
 def _int(key: str) -> str:
     # json_logs._int: int(float(x)), which truncates
     return f"CAST(trunc({_num(key)}) AS BIGINT)"
+
+
+def _json_str(col: str) -> str:
+    # a JSON string's value: its text between the quotes unless the text escapes a character (->> parses it again)
+    return f"CASE WHEN contains({col}, chr(92)) THEN {col} ->> '$' ELSE substr({col}, 2, length({col}) - 2) END"
 
 
 def _trimmed(col: str) -> str:
@@ -172,14 +180,14 @@ _RTRIM_EOL: Final = ("CASE WHEN ends_with(line, chr(13)) OR ends_with(line, chr(
 
 _HAS_EVENT_KEYS: Final = "list_contains({0}, 'v') AND list_contains({0}, 'source') AND list_contains({0}, 'event')"
 _STAT_COLUMNS: Final = f"""NULL::VARCHAR AS text,
-              CASE WHEN json_type(s.conversation_id) = 'VARCHAR' THEN s.conversation_id ->> '$'
+              CASE WHEN left(s.conversation_id, 1) = '"' THEN {_json_str('s.conversation_id')}
                    ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,
               {_num('ttft_ms')} AS ttft_ms, {_num('latency_ms')} AS latency_ms,
               {_num('start_time_ms')} AS start_time_ms, {_int('input_num_turns')} AS input_num_turns,
               {_int('input_num_tokens')} AS input_num_tokens, {_int('output_num_tokens')} AS output_num_tokens,
               CASE WHEN {_int('turn')} >= 1 THEN {_int('turn')} END AS turn,
-              CASE WHEN json_type(s.request_id) = 'VARCHAR' THEN s.request_id ->> '$' END AS request_id, 0 AS sub"""
-_STAT_ROW: Final = "json_type(s.conversation_id) IN ('VARCHAR', 'BIGINT', 'UBIGINT')"
+              CASE WHEN left(s.request_id, 1) = '"' THEN {_json_str('s.request_id')} END AS request_id, 0 AS sub"""
+_STAT_ROW: Final = "(left(s.conversation_id, 1) = '\"' OR json_type(s.conversation_id) IN ('BIGINT', 'UBIGINT'))"
 _LINES: Final = f"(SELECT f, n, {_trimmed('line')} AS t FROM lines_json WHERE line IS NOT NULL) WHERE t <> ''"
 
 
@@ -191,11 +199,16 @@ def parse_json_sql(*, stats: bool = True) -> list[str]:
     # NULL hash is a line that is no JSON object (TRY), one json_logs must read)
     if stats:
         # (a stock run's lines are mostly statistics: they never meet the event schema nor carry its columns)
-        jl = f"""CREATE TEMP TABLE jl AS SELECT f, n, k,
-              CASE WHEN NOT is_event THEN from_json(t, '{_STAT_SCHEMA}') END AS s
-            FROM (SELECT f, n, t, CASE WHEN kl IS NOT NULL THEN hash(kl) END AS k, {_HAS_EVENT_KEYS.format('kl')}
-                    AS is_event FROM (SELECT f, n, t, CASE WHEN starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
-                                      FROM {_LINES}))"""
+        # (one parse per statistic: only a line whose text names "v", "source" and "event" (or escapes a
+        # character) can have an event's keys, and only it pays for its key list; another object's key list is
+        # never read, its k is 0, and a line no object (from_json fails as json_keys does) has none)
+        jl = f"""CREATE TEMP TABLE jl AS SELECT f, n, CASE WHEN kl IS NOT NULL THEN hash(kl)
+              WHEN NOT maybe AND s IS NOT NULL THEN 0::UBIGINT END AS k, s
+            FROM (SELECT f, n, maybe, kl, CASE WHEN starts_with(t, '{{') AND (NOT maybe OR NOT
+                      {_HAS_EVENT_KEYS.format('kl')}) THEN TRY(from_json(t, '{_STAT_SCHEMA}')) END AS s
+                  FROM (SELECT f, n, t, maybe, CASE WHEN maybe AND starts_with(t, '{{') THEN TRY(json_keys(t)) END AS kl
+                        FROM (SELECT f, n, t, contains(t, chr(92)) OR (contains(t, '"v"') AND contains(t, '"source"')
+                                AND contains(t, '"event"')) AS maybe FROM {_LINES})))"""
     else:  # (the hash of the list in one TRY: a list column in between costs a third more)
         jl = f"""CREATE TEMP TABLE jl AS SELECT f, n,
               CASE WHEN starts_with(t, '{{') THEN TRY(hash(json_keys(t))) END AS k FROM {_LINES}"""
