@@ -125,12 +125,12 @@ def join_sql(only: str | None) -> list[str]:
         """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + seq, 1 FROM px_new""",
         # ---- slots, numbered in the order they were made: the events' and requests' ones before the statistics
         # place theirs (which come after them), so that a placed turn carries its slot
-        """CREATE TEMP TABLE slots AS SELECT row_number() OVER (ORDER BY stage, ord, conv, turn) AS sid, rid, conv, turn,
-             stage, ord FROM slot_src""",
+        """CREATE TEMP TABLE slots AS SELECT row_number() OVER (ORDER BY stage, ord, conv, turn) AS sid,
+             rid, conv, turn, stage, ord FROM slot_src""",
         # ---- 3. client statistics
         *_stats_sql(only),
-        """INSERT INTO slots SELECT (SELECT coalesce(max(sid), 0) FROM slots) + row_number() OVER (ORDER BY ord, conv, turn),
-             rid, conv, turn, stage, ord FROM cs_new""",
+        """INSERT INTO slots SELECT (SELECT coalesce(max(sid), 0) FROM slots)
+             + row_number() OVER (ORDER BY ord, conv, turn), rid, conv, turn, stage, ord FROM cs_new""",
         """CREATE TEMP TABLE by_rid AS SELECT rid, sid FROM slots WHERE rid IS NOT NULL""",
         """CREATE TEMP TABLE ev_slot AS
            SELECT k.f, k.n, s.sid, k.pass FROM ev_slot_key k JOIN slots s ON s.rid = k.rid
@@ -311,7 +311,8 @@ def _stats_sql(only: str | None) -> list[str]:
             m AS (SELECT c.*, kn.rid IS NOT NULL AS known, coalesce(np.nplaced, 0) AS nplaced
                   FROM c LEFT JOIN (SELECT conv, count(*) AS nplaced FROM placed GROUP BY conv) np
                     ON np.conv = c.conversation_id
-                  LEFT JOIN (SELECT rid FROM slot_src WHERE rid IN (SELECT request_id FROM cs)) kn ON kn.rid = c.request_id),
+                  LEFT JOIN (SELECT rid FROM slot_src WHERE rid IN (SELECT request_id FROM cs)) kn
+                    ON kn.rid = c.request_id),
             o AS (SELECT *, k + CASE WHEN nplaced > nstats THEN first_turn - 1 ELSE 0 END AS kth FROM m)
             SELECT f, n, sub, conversation_id, k, CASE WHEN known THEN request_id END AS rid_match,
               CASE WHEN known OR turn IS NOT NULL THEN NULL WHEN kth <= nplaced THEN kth END AS place,
