@@ -13,6 +13,7 @@ docs/verdicts.md explains each rule; docs/design.md ("Where a verdict rule lives
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -251,14 +252,59 @@ def _evidence(items: tuple[str, ...]) -> str:
     return "list_filter(" + (" || ".join(parts) if parts else "[]") + ", lambda x: x IS NOT NULL)"
 
 
+def _conjuncts(when: str) -> list[str] | None:
+    """``when``'s top-level AND terms, or None when it is not a plain conjunction (an OR, CASE or BETWEEN outside
+    parentheses)."""
+    parts, depth, quoted, start = [], 0, False, 0
+    for i, ch in enumerate(when):
+        if ch == "'":
+            quoted = not quoted
+        elif not quoted and ch in "()":
+            depth += 1 if ch == "(" else -1
+        elif not quoted and depth == 0:
+            word = when[i:i + 9].upper()
+            if word.startswith((" OR ", " CASE ", " BETWEEN ")) or (i == 0 and word.startswith("CASE ")):
+                return None
+            if word.startswith(" AND "):
+                parts.append(when[start:i])
+                start = i + 5
+    return [*parts, when[start:]]
+
+
+def _pick(rules: Sequence[tuple[int, list[str]]]) -> str:
+    """The WHEN branches that give the first rule holding (rules as (number, conjuncts)). A run of rules that
+    share their first conjunct and ends with the rule that is that conjunct alone tests it once, as a nested
+    CASE: its last rule holds whenever the conjunct does, and none of the run holds when it does not."""
+    out, i = [], 0
+    while i < len(rules):
+        no, terms = rules[i]
+        j = i
+        if len(terms) > 1:
+            while j + 1 < len(rules) and rules[j + 1][1][0] == terms[0] and len(rules[j + 1][1]) > 1:
+                j += 1
+        if j > i and j + 1 < len(rules) and rules[j + 1][1] == [terms[0]]:
+            inner = [(n, t[1:]) for n, t in rules[i:j + 1]] + [(rules[j + 1][0], ["true"])]
+            out.append(f"WHEN {terms[0]} THEN CASE {_pick(inner)} END")
+            i = j + 2
+            continue
+        out.append(f"WHEN {' AND '.join(terms)} THEN {no}")
+        i += 1
+    return " ".join(out)
+
+
 def decide_sql(source: str, keep: Sequence[str], *, evidence: bool = True) -> str:
     """One SELECT over ``source`` (the turns' facts): the columns in ``keep``, and each turn's rule, verdict,
     confidence, reason and evidence, and the columns a rule states itself. Without ``evidence`` the
     evidence column is NULL (the turn table reads none)."""
-    pick = " ".join(f"WHEN {r.when} THEN {i}" for i, r in enumerate(RULES))
+    split = [(i, _conjuncts(r.when)) for i, r in enumerate(RULES)]
+    pick = _pick([(i, terms if terms is not None else [f"({RULES[i].when})"]) for i, terms in split])
 
     def by_rule(attr: str) -> str:
-        return "CASE rule_no " + " ".join(f"WHEN {i} THEN {getattr(r, attr)}" for i, r in enumerate(RULES)) + " END"
+        # the rules' constants by a list index (one lookup, not a test per rule), the others by their number
+        said = [getattr(r, attr) for r in RULES]
+        const = [x if re.fullmatch(r"'[^']*'|true|false", x) else None for x in said]
+        whens = " ".join(f"WHEN {i} THEN {x}" for i, x in enumerate(said) if const[i] is None)
+        return f"CASE rule_no {whens} ELSE [{', '.join(x or 'NULL' for x in const)}][rule_no + 1] END"
 
     evidence_sql = "CASE rule_no " + " ".join(f"WHEN {i} THEN {_evidence(r.evidence)}" for i, r in enumerate(RULES)) \
         + " END"
