@@ -28,7 +28,8 @@ import duckdb
 
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
-from kvdiag.diagnostics.engine_facts import evidence_sql, facts_sql
+from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
+from kvdiag.diagnostics.engine_facts import facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
@@ -588,8 +589,4 @@ def _evidence_texts(run: Run) -> str:
     run.con.execute(f"""CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT i, unnest(evidence) AS ref,
         generate_subscripts(evidence, 1) AS k FROM (SELECT row_number() OVER ({_ORDER}) - 1 AS i, evidence
         FROM decided)""")
-    if not run.con.execute("SELECT count(*) FROM wtext").fetchall()[0][0]:
-        return evidence_sql("ev_refs")
-    # only a window's text can repeat a ref: the log's own text first, as the lines are listed
-    return f"""SELECT DISTINCT ON (ref) ref, source, text FROM (SELECT *, 0 AS w FROM ({evidence_sql("ev_refs")})
-        UNION ALL SELECT ref, source, left(text, 300), 1 FROM wtext) ORDER BY ref, w"""
+    return evidence_texts_sql(run.con, "ev_refs")
