@@ -462,8 +462,9 @@ VL_COLUMNS: Final = ("f", "n", "text", "level", "ts", "kind", *VLLM_COLUMNS)
 # vllm_log.VllmRecord.text: the record's first line as the operator would grep it (no colours, no prefix)
 # (uncut: VLLM_LINE; one concat, not a chain of ||, which copies the growing string at each step; the CASE keeps
 # ||'s NULL)
-VLLM_LINE: Final = ("CASE WHEN h.level IS NOT NULL AND h.ts IS NOT NULL AND h.fileinfo IS NOT NULL "
-                    "AND h.msg IS NOT NULL AND (h.pid IS NOT NULL OR coalesce(h.proc, '') = '') "
+VLLM_LINE_OK: Final = ("h.level IS NOT NULL AND h.ts IS NOT NULL AND h.fileinfo IS NOT NULL AND h.msg IS NOT NULL "
+                       "AND (h.pid IS NOT NULL OR coalesce(h.proc, '') = '')")  # (VLLM_LINE is not NULL)
+VLLM_LINE: Final = (f"CASE WHEN {VLLM_LINE_OK} "
                     "THEN concat(CASE WHEN h.proc <> '' THEN concat('(', h.proc, ' pid=', h.pid, ') ') END, "
                     "h.level, ' ', h.ts, ' [', h.fileinfo, '] ', h.msg) END")
 VLLM_TEXT: Final = f"left({VLLM_LINE}, 500)"

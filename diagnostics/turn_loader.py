@@ -199,7 +199,8 @@ def records(run: engine.Run) -> list[ConversationRecord]:
     missing = [s for s, present in zip(SOURCES, ctx_row[:4], strict=True) if not present]
     fixes = FixContext(decode_ttl_s=ctx_row[4], router_ttl_s=ctx_row[5])
     if run.con.execute("SELECT count(*) FROM decided").fetchall()[0][0] > FEW_TURNS:
-        return records_from_table(engine.decided_rows(run), missing, fixes)
+        table = engine.decided_rows(run)
+        return records_from_table(table, engine.decided_evidence(run, table.num_rows), missing, fixes)
     cols, pairs = engine.decided_lists(run)
     with gc_paused():
         return _records(cols, [[_evidence(s, t) for s, t in items] for items in pairs], missing, fixes)
@@ -235,26 +236,21 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _evidence_lists(table: pa.Table) -> list[list[Evidence]]:
-    """Each row's evidence column as Evidence objects: all made in one pass over the flat arrays, then each
-    row's slice of them."""
-    col = table.column("evidence").combine_chunks()
-    offsets = col.offsets.to_pylist()
-    flat = col.flatten()
-    made = list(map(_evidence, flat.field("source").to_pylist(), flat.field("text").to_pylist()))
-    return [made[a:b] for a, b in itertools.pairwise(offsets)]
+def _evidence_lists(texts: pa.Table, at: list[int], offsets: list[int]) -> list[list[Evidence]]:
+    """Each turn's Evidence objects (engine.decided_evidence): one object per line cited, made in one pass over
+    the texts, then each turn's slice of the citations."""
+    made = list(map(_evidence, texts.column("source").to_pylist(), texts.column("text").to_pylist()))
+    cited = list(map(made.__getitem__, at))
+    return [cited[a:b] for a, b in itertools.pairwise(offsets)]
 
 
-def records_from_table(table: pa.Table, missing: list[str], fixes: FixContext) -> list[ConversationRecord]:
-    """ConversationRecords from decided rows (engine.decided_rows, in conversation order)."""
+def records_from_table(table: pa.Table, evidence: tuple[pa.Table, list[int], list[int]], missing: list[str],
+                       fixes: FixContext) -> list[ConversationRecord]:
+    """ConversationRecords from decided rows (engine.decided_rows, in conversation order) and their evidence
+    (engine.decided_evidence)."""
     with gc_paused():
-        return _records_from_table(table, missing, fixes)
-
-
-def _records_from_table(table: pa.Table, missing: list[str], fixes: FixContext) -> list[ConversationRecord]:
-    cols: dict[str, list[Any]] = {name: table.column(name).to_pylist() for name in table.column_names
-                                  if name != "evidence"}
-    return _records(cols, _evidence_lists(table), missing, fixes)
+        cols: dict[str, list[Any]] = {name: table.column(name).to_pylist() for name in table.column_names}
+        return _records(cols, _evidence_lists(*evidence), missing, fixes)
 
 
 def _records(cols: dict[str, list[Any]], evidence: list[list[Evidence]], missing: list[str], fixes: FixContext

@@ -28,7 +28,8 @@ import duckdb
 
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
-from kvdiag.diagnostics.engine_facts import evidence_sql, facts_sql
+from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
+from kvdiag.diagnostics.engine_facts import facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
@@ -537,29 +538,30 @@ RECORD_COLUMNS: Final = (
     "evidence", "pos")
 
 
-def decided_rows(run: Run, *, evidence: bool = True) -> pa.Table:
-    """The decided turns, in conversation order (the columns TurnRecord and the turn table read); with
-    ``evidence``, each turn's evidence as a list of {source, text}."""
+def decided_rows(run: Run) -> pa.Table:
+    """The decided turns, in conversation order (the columns TurnRecord and the turn table read), without their
+    evidence (:func:`decided_evidence`)."""
+    return run.con.sql(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").to_arrow_table()
+
+
+def decided_evidence(run: Run, turns: int) -> tuple[pa.Table, list[int], list[int]]:
+    """Every decided turn's evidence: the texts (source, text) of the lines cited, one row per line however many
+    turns cite it, and the citations as indexes into them, turn after turn in conversation order: the ``k``-th
+    turn's (of ``turns``) are ``at[offsets[k]:offsets[k + 1]]``. (The caller makes each line's object once; a
+    list of structs per turn would copy each text once more for every turn citing it.)"""
     import numpy as np  # noqa: PLC0415
-    import pyarrow as pa  # noqa: PLC0415
     import pyarrow.compute as pc  # noqa: PLC0415
 
-    rows = run.con.sql(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").to_arrow_table()
-    if not evidence:
-        return rows
     # each ref's text looked up by Arrow in the texts (one row per ref): sorting the texts into the turns' order
     # in DuckDB costs several times more
     texts = run.con.sql(_evidence_texts(run)).to_arrow_table()
     refs = run.con.sql("SELECT i, ref FROM ev_refs ORDER BY i, k").to_arrow_table()
     at = pc.index_in(refs.column("ref"), value_set=texts.column("ref")).combine_chunks()
     found = at.is_valid()
-    at = at.filter(found)
-    counts = np.zeros(rows.num_rows + 1, dtype=np.int64)
-    np.add.at(counts, refs.column("i").filter(found).to_numpy() + 1, 1)
-    values = pa.StructArray.from_arrays([texts.column("source").combine_chunks().take(at),
-                                         texts.column("text").combine_chunks().take(at)], names=["source", "text"])
-    return rows.append_column("evidence", pa.ListArray.from_arrays(pa.array(np.cumsum(counts), pa.int32()),
-                                                                   values))
+    counts = np.bincount(refs.column("i").combine_chunks().filter(found).to_numpy(), minlength=turns)
+    offsets = np.zeros(turns + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return texts, at.filter(found).to_numpy().tolist(), offsets.tolist()
 
 
 def decided_lists(run: Run) -> tuple[dict[str, list[Any]], list[list[tuple[str, str]]]]:
@@ -587,8 +589,4 @@ def _evidence_texts(run: Run) -> str:
     run.con.execute(f"""CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT i, unnest(evidence) AS ref,
         generate_subscripts(evidence, 1) AS k FROM (SELECT row_number() OVER ({_ORDER}) - 1 AS i, evidence
         FROM decided)""")
-    if not run.con.execute("SELECT count(*) FROM wtext").fetchall()[0][0]:
-        return evidence_sql("ev_refs")
-    # only a window's text can repeat a ref: the log's own text first, as the lines are listed
-    return f"""SELECT DISTINCT ON (ref) ref, source, text FROM (SELECT *, 0 AS w FROM ({evidence_sql("ev_refs")})
-        UNION ALL SELECT ref, source, left(text, 300), 1 FROM wtext) ORDER BY ref, w"""
+    return evidence_texts_sql(run.con, "ev_refs")
