@@ -4,7 +4,7 @@ Each column is one fact a rule reads (diagnostics/rules.py), taken from the reco
 the turn: the turn's numbers (client first: its events, then its statistics, then the router and P),
 the deciding event of an instrumented turn, the proxy's lookup and lines, P's and D's lines for the
 request, and whether and why the turn failed. A line a rule may cite is a *ref*, ``(f << 40) + n``; the
-evidence's ``file:line`` and text are looked up only for the turns explain prints (``evidence_sql``).
+evidence's ``file:line`` and text are looked up only for the turns explain prints.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from collections.abc import Collection
 from typing import Final
 
-from kvdiag.diagnostics.engine_parse import VLLM_COLUMNS, VLLM_LINE, sql_str
+from kvdiag.diagnostics.engine_parse import VLLM_COLUMNS, sql_str
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
@@ -337,24 +337,3 @@ def _vl_facts_sql(vl_kinds: Collection[str] | None = None) -> str:
              ELSE fail_why END AS vl_failed_why,
         CASE WHEN {hung} THEN p_hung ELSE fail_ref END AS vl_failed_ref
       FROM h"""
-
-
-_WS: Final = "' \t\r\n\x0b\x0c'"
-
-
-def evidence_sql(refs: str) -> str:
-    """SELECT (ref, source, text) for the refs in table ``refs`` (column ``ref``): each record's ``file:line``
-    and its text (at most 300 characters), as explain prints them. (A vLLM line is not cut to 500 first: the
-    300 below cuts it the same.)"""
-    return f"""
-WITH r AS (SELECT DISTINCT ref, (ref >> 40)::INTEGER AS f, (ref & ((1::BIGINT << 40) - 1)) AS n FROM {refs}),
-t AS (SELECT r.ref, r.f, r.n, coalesce(e.text, c.text, CASE WHEN h.f IS NOT NULL THEN {VLLM_LINE} END,
-      CASE WHEN lj.line IS NOT NULL THEN left(CASE
-        WHEN starts_with(lj.line, '{{') AND ends_with(lj.line, '}}') THEN lj.line ELSE trim(lj.line, {_WS}) END, 500)
-        END, left(CASE WHEN ends_with(lp.line, chr(13)) THEN rtrim(lp.line, chr(13)) ELSE lp.line END, 500)) AS text
-      FROM r LEFT JOIN ev e ON e.f = r.f AND e.n = r.n
-      LEFT JOIN (SELECT f, n, arg_max(text, sub) AS text FROM cs GROUP BY f, n) c ON c.f = r.f AND c.n = r.n
-      LEFT JOIN vl_head h ON h.f = r.f AND h.n = r.n LEFT JOIN lines_json lj ON lj.f = r.f AND lj.n = r.n
-      LEFT JOIN lines_proxy lp ON lp.f = r.f AND lp.n = r.n)
-SELECT t.ref, fl.path || ':' || t.n AS source, left(t.text, 300) AS text FROM t JOIN files fl USING (f)
-WHERE t.text IS NOT NULL"""
