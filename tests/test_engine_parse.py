@@ -11,6 +11,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from engine_lines_support import insert_lines
 from gen_logs_support import load_gen_logs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,10 +37,7 @@ def _load(con: duckdb.DuckDBPyConnection, table: str, f: int, path: Path) -> lis
     numbered = list(enumerate(path.read_bytes().split(b"\n"), start=1))
     if numbered and numbered[-1][1] == b"":
         numbered.pop()
-    lines, _ = ep.lines_arrow(f, numbered, LineStats(), str(path), json=table == "lines_json")
-    con.register("new_lines", lines)
-    con.execute(f"INSERT INTO {table} SELECT * FROM new_lines")
-    con.unregister("new_lines")
+    insert_lines(con, table, numbered, str(path), f=f)
     return numbered
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from engine_lines_support import insert_lines
 
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics import engine_proxy
-from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
@@ -46,9 +46,7 @@ ADVERSARIAL = [
 def _pl(lines: list[str]) -> dict[int, tuple[object, ...]]:
     con = duckdb.connect()
     ep.create_line_tables(con)
-    table, _ = ep.lines_arrow(0, list(enumerate(lines, start=1)), LineStats(), "proxy.log")
-    con.register("new_lines", table)
-    con.execute("INSERT INTO lines_proxy SELECT * FROM new_lines")
+    insert_lines(con, "lines_proxy", list(enumerate(lines, start=1)), "proxy.log")
     for q in ep.parse_proxy_sql():
         con.execute(q)
     rows = con.execute("SELECT n, kind, rid, conv, remote, age, ttl, nullif(why, ''), ms, detail, blocks, p, d, ts "

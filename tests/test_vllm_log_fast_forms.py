@@ -8,24 +8,22 @@ import re
 from pathlib import Path
 
 import duckdb
+from engine_lines_support import insert_lines
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics import vllm_log_parser as vllm_log
-from kvdiag.diagnostics.linestats import LineStats
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
 VLLM_LOGS = sorted(p for p in FIXTURES.rglob("*.log") if "proxy" not in p.name and "console" not in p.name)
 
 
-def _con(lines: list[bytes]) -> duckdb.DuckDBPyConnection:
+def _con(lines: list[bytes], *, all_ascii: bool = False) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     ep.create_line_tables(con)
-    table, _notes = ep.lines_arrow(0, list(enumerate(lines, start=1)), LineStats(), "x.log")
-    con.register("new_lines", table)
-    con.execute("INSERT INTO lines_vllm SELECT * FROM new_lines")
-    for q in ep.vllm_head_sql():
+    insert_lines(con, "lines_vllm", list(enumerate(lines, start=1)), "x.log")
+    for q in ep.vllm_head_sql(all_ascii=all_ascii):
         con.execute(q)
     return con
 
@@ -95,13 +93,7 @@ def test_a_wrong_rest_cut_is_caught() -> None:
 
 
 def _heads_and_rows(lines: list[bytes], *, all_ascii: bool) -> tuple[list[tuple[object, ...]], ...]:
-    con = duckdb.connect()
-    ep.create_line_tables(con)
-    table, _notes = ep.lines_arrow(0, list(enumerate(lines, start=1)), LineStats(), "x.log")
-    con.register("new_lines", table)
-    con.execute("INSERT INTO lines_vllm SELECT * FROM new_lines")
-    for q in ep.vllm_head_sql(all_ascii=all_ascii):
-        con.execute(q)
+    con = _con(lines, all_ascii=all_ascii)
     head = con.execute("SELECT * FROM vl_head ORDER BY f, n").fetchall()
     return head, _vl(con, ep.vllm_records_sql(all_ascii=all_ascii))
 
