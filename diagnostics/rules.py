@@ -252,6 +252,10 @@ def _evidence(items: tuple[str, ...]) -> str:
     return "list_filter(" + (" || ".join(parts) if parts else "[]") + ", lambda x: x IS NOT NULL)"
 
 
+# a keyword at the top level of a rule's condition: the word, then any whitespace (a rule may span lines)
+_TOP_WORD: Final = re.compile(r"(AND|OR|CASE|BETWEEN)\s", re.IGNORECASE)
+
+
 def _conjuncts(when: str) -> list[str] | None:
     """``when``'s top-level AND terms, or None when it is not a plain conjunction (an OR, CASE or BETWEEN outside
     parentheses)."""
@@ -261,14 +265,12 @@ def _conjuncts(when: str) -> list[str] | None:
             quoted = not quoted
         elif not quoted and ch in "()":
             depth += 1 if ch == "(" else -1
-        elif not quoted and depth == 0:
-            word = when[i:i + 9].upper()
-            if word.startswith((" OR ", " CASE ", " BETWEEN ")) or (i == 0 and word.startswith("CASE ")):
+        elif not quoted and depth == 0 and (i == 0 or when[i - 1].isspace()) and (m := _TOP_WORD.match(when, i)):
+            if m.group(1).upper() != "AND":
                 return None
-            if word.startswith(" AND "):
-                parts.append(when[start:i])
-                start = i + 5
-    return [*parts, when[start:]]
+            parts.append(when[start:i].strip())
+            start = m.end()
+    return [*parts, when[start:].strip()]
 
 
 def _pick(rules: Sequence[tuple[int, list[str]]]) -> str:
