@@ -7,6 +7,7 @@ reads that wait for a window, so the other reads sharing those windows are count
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import re
 import time
@@ -156,36 +157,66 @@ def _probe(path: str, center: float) -> list[bytes]:
     offsets on the lines' timestamps; every line for a compressed file (it cannot be bisected)."""
     if path.endswith(".gz"):
         return [ln for _, ln in grep_lines(path, [b"Avg prompt throughput: "])]
+    with _mapped(path) as mm:
+        if mm is None:
+            return []
+        start, end, whole = _probe_span(mm, center)
+        lines = mm[start:end].split(b"\n")
+        return lines if whole else lines[:-1]
+
+
+@contextlib.contextmanager
+def _mapped(path: str) -> Iterator[mmap.mmap | None]:
+    """The file mapped for reading (None when it is empty)."""
     try:
         fh = open(path, "rb")
     except OSError as exc:
         raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
     with fh:
-        size = fh.seek(0, 2)
-        if size == 0:
-            return []
+        if fh.seek(0, 2) == 0:
+            yield None
+            return
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            def stamp_after(pos: int) -> float | None:
-                m = _STAMP.search(mm, pos, min(size, pos + 65536))
-                return vllm_wall_clock(m.group(1).decode(), center) if m else None
+            yield mm
 
-            lo, hi = 0, size
-            while hi - lo > 65536:
-                mid = (lo + hi) // 2
-                t = stamp_after(mid)
-                if t is None or t >= center - PROBE_RADIUS_S:
-                    hi = mid
-                else:
-                    lo = mid
-            out: list[bytes] = []
-            start = mm.rfind(b"\n", 0, lo) + 1
-            for line in mm[start:min(size, start + PROBE_BYTES)].split(b"\n"):
-                m = _STAMP.search(line)
-                t = vllm_wall_clock(m.group(1).decode(), center) if m else None
-                if t is not None and t > center + PROBE_RADIUS_S:
-                    break
-                out.append(line)
-            return out
+
+def _probe_span(mm: mmap.mmap, center: float) -> tuple[int, int, bool]:
+    """The probe's bytes ``mm[start:end]``: from the line where the minute starts (bisected), up to PROBE_BYTES,
+    cut before the first line whose (first) stamp is past it (``whole`` is False then: the bytes end with that
+    line's newline)."""
+    size = len(mm)
+    clock: dict[bytes, float | None] = {}  # (a second's lines share its stamp: each is read once)
+
+    def wall(stamp: bytes) -> float | None:
+        if stamp not in clock:
+            clock[stamp] = vllm_wall_clock(stamp.decode(), center)
+        return clock[stamp]
+
+    def stamp_after(pos: int) -> float | None:
+        m = _STAMP.search(mm, pos, min(size, pos + 65536))
+        return wall(m.group(1)) if m else None
+
+    lo, hi = 0, size
+    while hi - lo > 65536:
+        mid = (lo + hi) // 2
+        t = stamp_after(mid)
+        if t is None or t >= center - PROBE_RADIUS_S:
+            hi = mid
+        else:
+            lo = mid
+    start = mm.rfind(b"\n", 0, lo) + 1
+    limit = min(size, start + PROBE_BYTES)
+    # one pass of the pattern over the bytes (a stamp holds no newline, so a match never spans lines)
+    line_at = -1
+    for m in _STAMP.finditer(mm, start, limit):
+        at = max(mm.rfind(b"\n", start, m.start()) + 1, start)
+        if at == line_at:
+            continue  # only a line's first stamp counts
+        line_at = at
+        t = wall(m.group(1))
+        if t is not None and t > center + PROBE_RADIUS_S:
+            return start, at, False
+    return start, limit, True
 
 
 def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[str]) -> Ledger | None:

@@ -297,6 +297,87 @@ def test_the_probe_bisects_a_large_log_to_the_minute_around_a_read(tmp_path: Pat
     assert not _periodic(_probe(str(dense), center))
 
 
+def _probe_line_by_line(path: Path, center: float) -> list[bytes]:
+    """The probe as first written: every line's first stamp read in turn (the reference for the one-pass form)."""
+    from kvdiag.diagnostics.window_load import _STAMP, PROBE_BYTES, PROBE_RADIUS_S
+    from kvdiag.diagnostics.windows import vllm_wall_clock
+
+    data = path.read_bytes()
+
+    def stamp_after(pos: int) -> float | None:
+        m = _STAMP.search(data, pos, min(len(data), pos + 65536))
+        return vllm_wall_clock(m.group(1).decode(), center) if m else None
+
+    lo, hi = 0, len(data)
+    while hi - lo > 65536:
+        mid = (lo + hi) // 2
+        t = stamp_after(mid)
+        if t is None or t >= center - PROBE_RADIUS_S:
+            hi = mid
+        else:
+            lo = mid
+    out = []
+    start = data.rfind(b"\n", 0, lo) + 1
+    for line in data[start:min(len(data), start + PROBE_BYTES)].split(b"\n"):
+        m = _STAMP.search(line)
+        t = vllm_wall_clock(m.group(1).decode(), center) if m else None
+        if t is not None and t > center + PROBE_RADIUS_S:
+            break
+        out.append(line)
+    return out
+
+
+def test_the_probe_keeps_the_lines_a_line_by_line_reading_keeps(tmp_path: Path) -> None:
+    """The probe finds where its minute ends in one pass over the bytes: the same lines as reading each line's
+    first stamp, on logs with lines without a stamp, two stamps in a line, colours, out-of-order writers,
+    a year's turn and an unterminated last line."""
+    import random
+    import time
+
+    from kvdiag.diagnostics.window_load import _periodic, _probe
+
+    rng = random.Random(13)
+    t0 = 1_798_761_000.0  # (shortly before a new year: stamps carry no year)
+    checked = periodic = 0
+    for trial in range(40):
+        lines = []
+        t = t0
+        for _ in range(rng.randint(0, 4000)):
+            t += rng.choice((0.0, 0.0, 0.1, 0.5, 1.0, 7.0))
+            stamp = time.strftime("%m-%d %H:%M:%S", time.gmtime(t + rng.choice((0, 0, 0, -3, 2))))
+            other = time.strftime("%m-%d %H:%M:%S", time.gmtime(t + 400))
+            colour = rng.choice(("", "\x1b[32m", "\x1b[1;0m"))
+            lines.append(rng.choice((
+                f"(APIServer pid=7) {colour}INFO{colour} {stamp} [x.py:1] request",
+                f"(EngineCore pid=8) DEBUG  {colour}{stamp} [x.py:2] msg then INFO {other} [y.py:3] again",
+                "a continuation line without a stamp", "",
+                f"(APIServer pid=7) WARNING {stamp} [z.py:9] Engine 000: Avg prompt throughput: 1.0",
+                f"(APIServer pid=7) INFO {stamp} [z.py:9] Engine 00{rng.randint(0, 1)}: Avg prompt throughput: 1.0",
+                f"(APIServer pid=7) INFO {stamp} [z.py:9\nbroken] Engine 000: Avg prompt throughput: 1.0",
+                f"(A pid=7) INFO {stamp} [z.py:9] Engine 000: Avg prompt x INFO {stamp} [z.py:9] Engine 000: "
+                "Avg prompt")))
+        path = tmp_path / f"p{trial}.log"
+        path.write_text("\n".join(lines) + rng.choice(("", "\n")))
+        for center in (t0 + rng.uniform(-100, (t - t0) + 100) for _ in range(3)):
+            want = _probe_line_by_line(path, center)
+            assert _probe(str(path), center) == want
+            checked += len(want) > 1
+            periodic += _periodic(want)
+    assert checked > 60 and 0 < periodic < checked  # periodic and not, both met
+
+
+def test_a_probe_that_ignores_a_stamp_past_the_minute_is_caught(tmp_path: Path) -> None:
+    """Negative control: the reference keeps fewer lines than the whole slice when a stamp past the minute
+    follows (so the equality above would catch a probe that kept reading)."""
+    import time
+
+    t0 = 1_798_000_000.0
+    path = tmp_path / "p.log"
+    path.write_text("".join(f"(A pid=1) INFO {time.strftime('%m-%d %H:%M:%S', time.gmtime(t0 + i))} [x.py:1] r\n"
+                            for i in range(200)))
+    assert len(_probe_line_by_line(path, t0 + 100)) < 200
+
+
 def test_coloured_vllm_logs_give_the_same_windows(tmp_path: Path) -> None:
     # vLLM colours its lines when its output is a terminal (a `script` or `tee` capture keeps them)
     def colour(text: str) -> str:
