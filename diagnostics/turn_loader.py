@@ -302,27 +302,52 @@ def explain_conversation(paths: Iterable[str] | StagedInputs, conversation_id: s
 
 def _explain_conversation(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None, *,
                           stats: LineStats) -> ConversationRecord:
-    # The engine is imported on a second thread while the greps below run (they wait on grep, not on
-    # Python), so its import costs no wall time of its own.
     # The collector stays off for the whole run: its passes would walk the modules being imported and the
     # run's few objects again and again (about 2% of the CLI's CPU), and a run this small leaves little garbage.
     with gc_paused():
-        loading = threading.Thread(target=_import_engine, name="kvdiag-engine-import", daemon=True)
-        loading.start()
+        files = _detect(paths, stats)
+        # The engine is imported and its run opened on a second thread while the greps below run (they wait on
+        # rg or grep, not on Python), so neither costs wall time of its own.
+        prepared = _PreparedRun(files, conversation_id)
         try:
-            return _explain_prefiltered(paths, conversation_id, progress, stats=stats)
+            return _explain_prefiltered(files, conversation_id, progress, prepared, stats=stats)
         finally:
-            loading.join()
+            prepared.close()
 
 
-def _import_engine() -> None:
-    with contextlib.suppress(Exception):  # (a failure is raised again by the import where it is used)
-        importlib.import_module("kvdiag.diagnostics.verdict_engine")
+class _PreparedRun:
+    """The engine's run over ``files``, opened on a second thread."""
+
+    def __init__(self, files: list[LogFile], only: str) -> None:
+        self.files, self.only = files, only
+        self.run: engine.Run | None = None
+        self.thread = threading.Thread(target=self._open, name="kvdiag-engine-open", daemon=True)
+        self.thread.start()
+
+    def _open(self) -> None:
+        with contextlib.suppress(Exception):  # (a failure is raised again where the run is taken)
+            self.run = importlib.import_module("kvdiag.diagnostics.verdict_engine").new_run(self.files, self.only)
+
+    def take(self) -> engine.Run:
+        """The run (opened here if the thread could not); the caller closes it."""
+        self.thread.join()
+        run, self.run = self.run, None
+        if run is None:
+            from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
+
+            run = engine.new_run(self.files, self.only)
+        return run
+
+    def close(self) -> None:
+        """Close the run if nobody took it."""
+        self.thread.join()
+        if self.run is not None:
+            self.run.con.close()
+            self.run = None
 
 
-def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: ProgressFn | None, *,
-                         stats: LineStats) -> ConversationRecord:
-    files = _detect(paths, stats)
+def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: ProgressFn | None,
+                         prepared: _PreparedRun, *, stats: LineStats) -> ConversationRecord:
     tick = _Progress(sum(f.size for f in files), progress, 2)
     tags = id_tags(conversation_id)
     # JSON writers escape non-ASCII and quotes: look for that spelling too
@@ -368,7 +393,8 @@ def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: P
         kept[path] = sorted({**dict(kept.get(path, [])), **dict(lines)}.items())
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
 
-    with engine.opened(files, only=conversation_id) as run:
+    run = prepared.take()
+    try:
         if not documents and sum(map(len, kept.values())) <= FEW_LINES:
             # On a few dozen rows DuckDB's optimizer costs more than it saves (about a third of each
             # statement's planning); the plans stay hash joins on tables this small. One thread: a second one
@@ -392,6 +418,8 @@ def _explain_prefiltered(paths: Iterable[str], conversation_id: str, progress: P
                 decide_windows(run, wanted, one=True)
             stats.merge(run.stats)
             convs = [c for c in records(run) if c.conversation_id == conversation_id]
+    finally:
+        run.con.close()
     if not convs:
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
     return convs[0]

@@ -13,7 +13,7 @@ from kvdiag.diagnostics.engine_facts import facts_sql, required_kinds
 from kvdiag.diagnostics.engine_join import join_sql
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
-RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
+RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir() and p.name != "__pycache__")
 
 
 def _vl_facts(run: ve.Run, kinds: list[str] | None) -> list[tuple[object, ...]]:

@@ -14,7 +14,7 @@ from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import build_turn_table, normalize_table
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
-RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir())
+RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir() and p.name != "__pycache__")
 KEY = ["conversation_id", "turn"]
 COMPARED = ["conversation_id", "turn", "verdict", "confidence", "reason", "prompt_tokens", "remote_tokens",
             "ttft_ms"]
