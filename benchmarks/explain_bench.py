@@ -12,6 +12,8 @@ is taken per round, then the median (CPU: this process's threads + its children,
 
     .venv/bin/python benchmarks/gen_logs.py --size 1GB
     .venv/bin/python benchmarks/explain_bench.py --data benchmarks/data/1024MB --repeat 3
+    git worktree add /tmp/before/kvdiag <commit> && .venv/bin/python benchmarks/explain_bench.py --skip-all \
+        --compare-tree /tmp/before     # the CLI before a change, in the same rounds
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
 
 # Both write their output into a pipe this process reads, as a person reading it would: GNU grep writing to
 # /dev/null stops reading each file at its first match (it knows nobody sees the lines), which no real use gets.
-def _cli(data: Path, conversation_id: str) -> None:
+def _cli(data: Path, conversation_id: str, tree: Path | None = None) -> None:
     exe = Path(sys.executable).with_name("kvdiag")
+    # (tree: another checkout's code, e.g. the commit before a change, imported as kvdiag through PYTHONPATH)
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
     subprocess.run([str(exe), "explain", str(data), "--conversation", conversation_id, "--no-progress"],
-                   stdout=subprocess.PIPE, check=True)
+                   stdout=subprocess.PIPE, check=True, env=env)
 
 
 def _grep(files: list[str], needle: str) -> None:
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", nargs="*", default=["CONV_ID_17777", "CONV_ID_250", "CONV_ID_31000"])
     ap.add_argument("--skip-all", action="store_true", help="Only the one-conversation figures.")
     ap.add_argument("--skip-one", action="store_true", help="Only the --all figures.")
+    ap.add_argument("--compare-tree", type=Path, metavar="DIR",
+                    help="Also time the one-conversation CLI with the kvdiag package under DIR (DIR/kvdiag, e.g. a "
+                         "worktree of an earlier commit), in the same rounds.")
     args = ap.parse_args(argv)
     files = sorted(str(p) for p in args.data.iterdir() if p.is_file())
     size = sum(os.path.getsize(f) for f in files)
@@ -91,13 +98,22 @@ def main(argv: list[str] | None = None) -> int:
                 pass
     rows: list[dict[str, object]] = []
 
-    def interleaved(case: str, baselines: dict[str, Callable[[], object]], ours_fn: Callable[[], object]) -> None:
+    def interleaved(case: str, baselines: dict[str, Callable[[], object]], ours_fn: Callable[[], object],
+                    other: tuple[str, Callable[[], object]] | None = None) -> None:
         base_runs: dict[str, list[tuple[float, float]]] = {name: [] for name in baselines}
-        our_runs = []
+        our_runs, other_runs = [], []
         for _ in range(args.repeat):
             for name, fn in baselines.items():
                 base_runs[name].append(_timed(fn))
             our_runs.append(_timed(ours_fn))
+            if other is not None:
+                other_runs.append(_timed(other[1]))
+        if other is not None:
+            record(f"{case}, {other[0]}", base_runs, other_runs)
+        record(case, base_runs, our_runs)
+
+    def record(case: str, base_runs: dict[str, list[tuple[float, float]]], our_runs: list[tuple[float, float]]
+               ) -> None:
         for name, runs in base_runs.items():
             walls = [o[0] / b[0] for o, b in zip(our_runs, runs, strict=True)]
             cpus = [o[1] / b[1] for o, b in zip(our_runs, runs, strict=True)]
@@ -120,8 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             for label, folder, fl in sets:
                 interleaved(f"one conversation ({conv}), {label}", {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)},
                             lambda c=conv, d=folder: explain_conversation([str(d)], c))
+                tree = args.compare_tree
                 interleaved(f"CLI `kvdiag explain --conversation {conv}`, {label}",
-                            {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)}, lambda c=conv, d=folder: _cli(d, c))
+                            {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)}, lambda c=conv, d=folder: _cli(d, c),
+                            None if tree is None else
+                            (f"code from {tree}", lambda c=conv, d=folder, t=tree: _cli(d, c, t)))
         if not args.skip_all:
             for label, folder, fl in sets:
                 interleaved(f"--all, {label}", {"DuckDB read_csv count(*)": lambda fl=fl: _duckdb_scan(fl),

@@ -11,7 +11,7 @@ import contextlib
 import mmap
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
@@ -184,7 +184,6 @@ def _probe_span(mm: mmap.mmap, center: float) -> tuple[int, int, bool]:
     """The probe's bytes ``mm[start:end]``: from the line where the minute starts (bisected), up to PROBE_BYTES,
     cut before the first line whose (first) stamp is past it (``whole`` is False then: the bytes end with that
     line's newline)."""
-    size = len(mm)
     clock: dict[bytes, float | None] = {}  # (a second's lines share its stamp: each is read once)
 
     def wall(stamp: bytes) -> float | None:
@@ -192,20 +191,8 @@ def _probe_span(mm: mmap.mmap, center: float) -> tuple[int, int, bool]:
             clock[stamp] = vllm_wall_clock(stamp.decode(), center)
         return clock[stamp]
 
-    def stamp_after(pos: int) -> float | None:
-        m = _STAMP.search(mm, pos, min(size, pos + 65536))
-        return wall(m.group(1)) if m else None
-
-    lo, hi = 0, size
-    while hi - lo > 65536:
-        mid = (lo + hi) // 2
-        t = stamp_after(mid)
-        if t is None or t >= center - PROBE_RADIUS_S:
-            hi = mid
-        else:
-            lo = mid
-    start = mm.rfind(b"\n", 0, lo) + 1
-    limit = min(size, start + PROBE_BYTES)
+    start = _probe_start(mm, center, wall)
+    limit = min(len(mm), start + PROBE_BYTES)
     # one pass of the pattern over the bytes (a stamp holds no newline, so a match never spans lines)
     line_at = -1
     for m in _STAMP.finditer(mm, start, limit):
@@ -217,6 +204,22 @@ def _probe_span(mm: mmap.mmap, center: float) -> tuple[int, int, bool]:
         if t is not None and t > center + PROBE_RADIUS_S:
             return start, at, False
     return start, limit, True
+
+
+def _probe_start(mm: mmap.mmap | bytes, center: float, wall: Callable[[bytes], float | None]) -> int:
+    """Where the line starts from which the minute before ``center`` is read: bisected on byte offsets (the log
+    is written in time order), ``wall`` reading a stamp's text as a time."""
+    size = len(mm)
+    lo, hi = 0, size
+    while hi - lo > 65536:
+        mid = (lo + hi) // 2
+        m = _STAMP.search(mm, mid, min(size, mid + 65536))
+        t = wall(m.group(1)) if m else None
+        if t is None or t >= center - PROBE_RADIUS_S:
+            hi = mid
+        else:
+            lo = mid
+    return mm.rfind(b"\n", 0, lo) + 1
 
 
 def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[str]) -> Ledger | None:

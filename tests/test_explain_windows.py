@@ -298,26 +298,14 @@ def test_the_probe_bisects_a_large_log_to_the_minute_around_a_read(tmp_path: Pat
 
 
 def _probe_line_by_line(path: Path, center: float) -> list[bytes]:
-    """The probe as first written: every line's first stamp read in turn (the reference for the one-pass form)."""
-    from kvdiag.diagnostics.window_load import _STAMP, PROBE_BYTES, PROBE_RADIUS_S
+    """The probe as first written: from the bisected start, every line's first stamp read in turn (the reference
+    for the one-pass form)."""
+    from kvdiag.diagnostics.window_load import _STAMP, PROBE_BYTES, PROBE_RADIUS_S, _probe_start
     from kvdiag.diagnostics.windows import vllm_wall_clock
 
     data = path.read_bytes()
-
-    def stamp_after(pos: int) -> float | None:
-        m = _STAMP.search(data, pos, min(len(data), pos + 65536))
-        return vllm_wall_clock(m.group(1).decode(), center) if m else None
-
-    lo, hi = 0, len(data)
-    while hi - lo > 65536:
-        mid = (lo + hi) // 2
-        t = stamp_after(mid)
-        if t is None or t >= center - PROBE_RADIUS_S:
-            hi = mid
-        else:
-            lo = mid
+    start = _probe_start(data, center, lambda stamp: vllm_wall_clock(stamp.decode(), center))
     out = []
-    start = data.rfind(b"\n", 0, lo) + 1
     for line in data[start:min(len(data), start + PROBE_BYTES)].split(b"\n"):
         m = _STAMP.search(line)
         t = vllm_wall_clock(m.group(1).decode(), center) if m else None
