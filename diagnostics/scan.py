@@ -106,8 +106,10 @@ def _find_ripgrep() -> str | None:
 
 
 # rg's options for grep's behaviour: no configuration file (its case or other flags), every byte searched
-# (-a: no binary detection; -E none: no UTF-16 transcoding by byte-order mark), "N:line" per matching line
-_RG_ARGS: Final = ("--no-config", "-j1", "-a", "-E", "none", "-n", "--no-filename", "--no-heading",
+# (-a: no binary detection; -E none: no UTF-16 transcoding by byte-order mark), "N:line" per matching line.
+# --no-mmap: read through a buffer as grep does; a mapped file counts whole in rg's resident memory (4 GB for a
+# 4 GB log), for about 15% less CPU.
+_RG_ARGS: Final = ("--no-config", "--no-mmap", "-j1", "-a", "-E", "none", "-n", "--no-filename", "--no-heading",
                    "--color", "never")
 
 
