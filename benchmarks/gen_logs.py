@@ -8,6 +8,7 @@ later turn gets one of the stock-visible outcomes (remote hit, expiry, transfer 
 
     .venv/bin/python benchmarks/gen_logs.py --size 1GB
     .venv/bin/python benchmarks/gen_logs.py --size 50MB --out /tmp/bench
+    .venv/bin/python benchmarks/gen_logs.py --size 1GB --stat-interval 10 --out /tmp/bench-periodic
 """
 
 from __future__ import annotations
@@ -62,28 +63,79 @@ class Writer:
             fh.close()
 
 
-def _noise(w: Writer, t: float, rng: random.Random, n: int) -> None:
-    """Bulk lines a real engine writes that explain must skip: access lines, stats, request logging."""
+def _stat_line(pid: int, t: float, rng: random.Random) -> str:
+    return (f"(APIServer pid={pid}) INFO {_ts(t)} [loggers.py:335] Engine 000: Avg prompt throughput: "
+            f"{rng.uniform(10, 9000):.1f} tokens/s, Avg generation throughput: {rng.uniform(1, 900):.1f} tokens/s,"
+            f" Running: {rng.randint(0, 40)} reqs, Waiting: 0 reqs, GPU KV cache usage: "
+            f"{rng.uniform(0, 90):.1f}%, Prefix cache hit rate: {rng.uniform(0, 90):.1f}%")
+
+
+def _noise(w: Writer, t: float, rng: random.Random, n: int, stats: bool = True) -> None:
+    """Bulk lines a real engine writes that explain must skip: access lines, stats (unless ``stats`` is off:
+    written per interval instead), request logging."""
     for _ in range(n):
         role = rng.choice(("prefill.log", "decode.log"))
         rid = uuid.UUID(int=rng.getrandbits(128)).hex
         pid = 1 if role == "prefill.log" else 2
         w.w(role, f'(APIServer pid={pid}) INFO:     10.0.0.{rng.randint(1, 254)}:{rng.randint(1024, 65000)} - '
                   '"POST /v1/chat/completions HTTP/1.1" 200 OK')
-        w.w(role, f"(APIServer pid={pid}) INFO {_ts(t)} [loggers.py:335] Engine 000: Avg prompt throughput: "
-                  f"{rng.uniform(10, 9000):.1f} tokens/s, Avg generation throughput: "
-                  f"{rng.uniform(1, 900):.1f} tokens/s,"
-                  f" Running: {rng.randint(0, 40)} reqs, Waiting: 0 reqs, GPU KV cache usage: "
-                  f"{rng.uniform(0, 90):.1f}%, Prefix cache hit rate: {rng.uniform(0, 90):.1f}%")
+        w.w(role, _stat_line(pid, t, rng) if stats else
+            f'(APIServer pid={pid}) INFO:     10.0.0.{rng.randint(1, 254)}:{rng.randint(1024, 65000)} - '
+            '"GET /metrics HTTP/1.1" 200 OK')
         w.w(role, f"(EngineCore_DP0 pid={pid + 10}) INFO {_ts(t)} [core.py:93] Step {rng.randint(1, 10**9)} "
                   f"scheduled {rng.randint(1, 64)} seqs for request batch {rid}")
 
 
-def generate(out: Path, target: int, seed: int = 0, noise_per_turn: int = 12) -> dict[str, int]:
-    """Write the data set; return counts."""
+class StatWindows:
+    """vLLM's periodic stat logging (every ``interval`` seconds): each engine's ``Engine 000`` line, and P's
+    ``KV Transfer metrics`` line for an interval that saw a D->P read succeed or fail."""
+
+    def __init__(self, w: Writer, t0: float, interval: float, rng: random.Random) -> None:
+        self.w, self.interval, self.rng = w, interval, rng
+        self.next = t0 + interval
+        self.ok = self.failed = self.expired = 0
+        self.planned = False
+
+    def read(self, t: float, outcome: str) -> None:
+        """A D->P read P tried at ``t``: counted in its interval (P logs its transfer plan at its first)."""
+        if self.interval <= 0:
+            return
+        if not self.planned:
+            self.planned = True
+            self.w.w("prefill.log", f"(EngineCore_DP0 pid=11) INFO {_ts(t)} [base_worker.py:2525] Transfer plan: "
+                     "TransferTopology(tp_ratio=1, num_kv_heads=8, local_tp=1, remote_tp=1, remote_pp=0, "
+                     "local_dcp=1, remote_dcp=1, local_rank=0, remote_block_len=65536)")
+        if outcome == "expired_remote_read":
+            self.expired += 1
+        elif outcome == "transfer_failed":
+            self.failed += 1
+        else:
+            self.ok += 1
+
+    def until(self, t: float) -> None:
+        """Write the lines of every interval that ended by ``t``."""
+        while self.interval > 0 and t >= self.next:
+            self.w.w("prefill.log", _stat_line(1, self.next, self.rng))
+            if self.ok or self.failed or self.expired:
+                xfer = self.rng.uniform(1, 20)
+                self.w.w("prefill.log", f"(APIServer pid=1) INFO {_ts(self.next)} [metrics.py:108] KV Transfer "
+                         f"metrics: Num successful transfers={self.ok}, Avg xfer time (ms)={xfer:.1f}, P90 xfer time "
+                         f"(ms)={xfer * 1.5:.1f}, Avg post time (ms)=0.5, P90 post time (ms)=0.6, Avg MB per "
+                         f"transfer=0.9, Throughput (MB/s)=200.0, Avg number of descriptors=12.0, Num failed "
+                         f"transfers={self.failed}, Num KV expired reqs={self.expired}, Num notifs after expiry=0")
+            self.w.w("decode.log", _stat_line(2, self.next, self.rng))
+            self.ok = self.failed = self.expired = 0
+            self.next += self.interval
+
+
+def generate(out: Path, target: int, seed: int = 0, noise_per_turn: int = 12, stat_interval: float = 0.0
+             ) -> dict[str, int]:
+    """Write the data set; return counts. ``stat_interval`` > 0: the engines' stat lines once per interval, as
+    vLLM writes them (with P's transfer counts), instead of in bulk among the noise."""
     rng = random.Random(seed)
     w = Writer(out)
     t0 = 1_764_400_000.0
+    windows = StatWindows(w, t0, stat_interval, random.Random(seed + 1))
     w.w("proxy.log", f"{_proxy_ts(t0)} [INFO] disagg_proxy: Ready: 1 prefill, 1 decode instances")
     for role, pid in (("prefill.log", 11), ("decode.log", 12)):
         w.w(role, f"(EngineCore_DP0 pid={pid}) INFO {_ts(t0)} [base_scheduler.py:188] Bidirectional KV transfer is "
@@ -99,6 +151,7 @@ def generate(out: Path, target: int, seed: int = 0, noise_per_turn: int = 12) ->
         prompt = rng.randint(200, 4000)
         for turn in range(1, n_turns + 1):
             t += rng.uniform(0.01, 0.2)
+            windows.until(t)
             turns_total += 1
             rid = uuid.UUID(int=rng.getrandbits(128)).hex
             p_id, d_id = f"chatcmpl-{rid}-{rng.getrandbits(32):08x}", f"chatcmpl-{rid}-{rng.getrandbits(32):08x}"
@@ -129,6 +182,8 @@ def generate(out: Path, target: int, seed: int = 0, noise_per_turn: int = 12) ->
                 w.w("prefill.log", f"(EngineCore_DP0 pid=11) ERROR {_ts(t)} [base_worker.py:1471] NIXL transfer "
                                    f"failure: handshake_failed | Context: {ctx!r}")
                 failed = True
+            if prev_d and outcome != "router_entry_expired":  # (P read D's blocks, or tried to)
+                windows.read(t, outcome)
             if failed:
                 w.w("prefill.log", f"(EngineCore_DP0 pid=11) ERROR {_ts(t)} [scheduler.py:3764] Failing 1 "
                                    f"request(s) due to KV load failure (failure_policy=fail, {prompt} tokens "
@@ -154,7 +209,7 @@ def generate(out: Path, target: int, seed: int = 0, noise_per_turn: int = 12) ->
                 "engine_request_id": p_id, "prompt_tokens": prompt, "outcome": verdict}))
             prev_d = None if failed else d_id
             prompt += rng.randint(60, 600)
-            _noise(w, t, rng, noise_per_turn)
+            _noise(w, t, rng, noise_per_turn, stats=stat_interval <= 0)
     size = w.size()
     w.close()
     return {"conversations": conv_n, "turns": turns_total, "bytes": size}
@@ -165,10 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=parse_size, default=parse_size("100MB"))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stat-interval", type=float, default=0.0, metavar="S",
+                    help="Write the engines' stat lines every S seconds as vLLM does (10 is its default), with P's "
+                         "transfer counts, so P's stats windows can decide turns; default: in bulk among the noise.")
     args = ap.parse_args(argv)
     out = args.out or Path(__file__).parent / "data" / f"{args.size >> 20}MB"
     t = time.perf_counter()
-    counts = generate(out, args.size, args.seed)
+    counts = generate(out, args.size, args.seed, stat_interval=args.stat_interval)
     print(json.dumps({**counts, "out": str(out), "seconds": round(time.perf_counter() - t, 1)}))
     return 0
 

@@ -225,11 +225,47 @@ def has_pcre() -> bool:
     return done.returncode in (0, 1)
 
 
-def grep_ere(path: str, ere: str, progress: ProgressFn | None = None) -> Iterator[tuple[int, bytes]]:
-    """Lines matching a POSIX extended regex that Python's ``re`` reads the same way (no back-references)."""
-    if GREP is not None and not path.endswith(".gz"):
-        return _system_grep(path, ["-E", "-e", ere], progress)
+def grep_ere(path: str, ere: str, progress: ProgressFn | None = None, *, rg_reads_it: bool = False
+             ) -> Iterator[tuple[int, bytes]]:
+    """Lines matching a POSIX extended regex that Python's ``re`` reads the same way (no back-references).
+    ``rg_reads_it``: rg's syntax reads it the same way too (literals, groups, alternation, classes, ``*``,
+    ``+``, ``^``), so rg runs it where it is installed."""
+    if not path.endswith(".gz"):
+        if rg_reads_it and ripgrep() is not None:
+            # (byte by byte, as grep reads it under LC_ALL=C: in Unicode mode rg's "." would not take a byte
+            # that is not UTF-8)
+            return _system_grep(path, ["--no-unicode", "-e", ere], progress, exe=ripgrep())
+        if GREP is not None:
+            return _system_grep(path, ["-E", "-e", ere], progress)
     return grep_regex(path, re.compile(ere.encode("utf-8"), re.MULTILINE), progress)
+
+
+def grep_ere_in(data: bytes, ere: str, first_line: int = 1, *, name: str = "", rg_reads_it: bool = False
+                ) -> list[tuple[int, bytes]]:
+    """:func:`grep_ere` over ``data``: a file's bytes from the start of its line ``first_line`` to the end of a
+    line, the lines numbered as in the file (``name`` names the file in errors)."""
+    if rg_reads_it and ripgrep() is not None:
+        argv = [str(ripgrep()), *_RG_ARGS, "--no-unicode", "-e", ere, "-"]
+    elif GREP is not None:
+        argv = [str(GREP), "-n", "-a", "-E", "-e", ere, "-"]
+    else:
+        pattern = re.compile(ere.encode("utf-8"))
+        lines = data.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()
+        return [(first_line + i, line + b"\n") for i, line in enumerate(lines) if pattern.search(line)]
+    try:
+        done = subprocess.run(argv, input=data, capture_output=True, env={**os.environ, "LC_ALL": "C"}, check=False)
+    except OSError as exc:
+        raise LogReadError(f"cannot read {name}: {exc.strerror or exc}") from None
+    if done.returncode > 1:  # 1 means "no line matched"
+        err = done.stderr.decode(errors="replace").strip()
+        raise LogReadError(f"cannot read {name}: {err or f'grep exit {done.returncode}'}")
+    out = []
+    for raw in done.stdout.split(b"\n")[:-1]:  # (split at "\n" only: a line may hold a CR)
+        num, _, line = raw.partition(b":")
+        out.append((int(num) + first_line - 1, line + b"\n"))
+    return out
 
 
 def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None = None,
@@ -346,7 +382,8 @@ def grep_regex(path: str, pattern: re.Pattern[bytes], progress: ProgressFn | Non
     yield from _grep_chunks(path, pattern, progress)
 
 
-def _count_newlines(mm: mmap.mmap, start: int, end: int) -> int:
+def count_newlines(mm: mmap.mmap | bytes, start: int, end: int) -> int:
+    """How many "\\n" the bytes ``mm[start:end]`` hold (in chunks: a slice of a mapped file is a copy)."""
     n = 0
     for lo in range(start, end, CHUNK_BYTES):
         n += mm[lo:min(end, lo + CHUNK_BYTES)].count(b"\n")
@@ -364,7 +401,7 @@ def _grep_mmap(path: str, pattern: re.Pattern[bytes]) -> Iterator[tuple[int, byt
             if m.start() < counted:
                 continue  # another match on a line already yielded
             start = mm.rfind(b"\n", 0, m.start()) + 1
-            lineno += _count_newlines(mm, counted, start)
+            lineno += count_newlines(mm, counted, start)
             end = mm.find(b"\n", m.end())
             end = len(mm) if end < 0 else end + 1
             yield lineno, mm[start:end]

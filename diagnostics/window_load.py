@@ -17,7 +17,7 @@ from typing import Final
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log_parser import PROXY_RE, parse_proxy_numbered, wall_clock
-from kvdiag.diagnostics.scan import grep_ere, grep_lines, head_lines
+from kvdiag.diagnostics.scan import count_newlines, grep_ere, grep_ere_in, grep_lines, head_lines
 from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 from kvdiag.diagnostics.windows import (
     LEAD_S,
@@ -38,10 +38,11 @@ STAT_KEYWORDS: Final = (b"KV Transfer metrics: ", b"Avg prompt throughput: ", b"
 # Around the reads to decide: the lead a window needs to count as complete, and a run of windows of up
 # to 30 s each on both sides.
 SPAN_MARGIN_S: Final = LEAD_S + MAX_BLOCK * 30.0
-_SPAN_KEEP: Final = re.compile(b"|".join(re.escape(k) for k in (
+_SPAN_KEEP_WORDS: Final = (
     *STAT_KEYWORDS, b"Declining expired", b"NIXL transfer failure", b"due to KV load failure", b"Skipping KV post",
     b"Skipping remote pull", b"calling _read_blocks", b"Finished recving", b"Got invalid KVTransferParams",
-    b"Potentially invalid KV", b"Received request", b"Added request", b"Generated response")))
+    b"Potentially invalid KV", b"Received request", b"Added request", b"Generated response")
+_SPAN_KEEP: Final = re.compile(b"|".join(re.escape(k) for k in _SPAN_KEEP_WORDS))
 
 
 def _engine_files(index: LogIndex, roles: tuple[str, ...] = ("prefill",)) -> list[str]:
@@ -109,6 +110,18 @@ def _spans(times: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             merged.append((lo, hi))
     return merged
+
+
+def span_patterns(spans: list[tuple[float, float]]) -> tuple[str, str]:
+    """The searches for the spans' lines (POSIX extended regexes rg and Python read the same way): the proxy's
+    lines stamped in a span, and P's lines stamped in a span that hold a kind the ledger reads (found together
+    by the search, so the rest, most of a busy engine's lines, never reach Python; _SPAN_KEEP still decides)."""
+    proxy = "^(" + "|".join(_ere(p) for p in _prefixes(spans, "%Y-%m-%d %H:%M:%S")) + ")"
+    ansi = "(\x1b\\[[0-9;]*m)*"
+    stamped = f" {ansi}(DEBUG|INFO|WARNING|ERROR|CRITICAL){ansi} +{ansi}(" + "|".join(
+        _ere(p) for p in _prefixes(spans, "%m-%d %H:%M:%S")) + ")"
+    kinds = "(" + "|".join(_ere(k.decode()) for k in _SPAN_KEEP_WORDS) + ")"
+    return proxy, f"{stamped}.*{kinds}|{kinds}.*{stamped}"
 
 
 def _ere(literal: str) -> str:
@@ -207,19 +220,66 @@ def _probe_span(mm: mmap.mmap, center: float) -> tuple[int, int, bool]:
 
 
 def _probe_start(mm: mmap.mmap | bytes, center: float, wall: Callable[[bytes], float | None]) -> int:
-    """Where the line starts from which the minute before ``center`` is read: bisected on byte offsets (the log
-    is written in time order), ``wall`` reading a stamp's text as a time."""
+    """Where the line starts from which the minute before ``center`` is read, ``wall`` reading a stamp's text
+    as a time."""
+    lo, _hi = _bracket(mm, center - PROBE_RADIUS_S, wall)
+    return mm.rfind(b"\n", 0, lo) + 1
+
+
+_BISECT_BYTES: Final = 65536  # (a stamp is looked for this far after each offset tried)
+
+
+def _bracket(mm: mmap.mmap | bytes, target: float, wall: Callable[[bytes], float | None], *, past: bool = False
+             ) -> tuple[int, int]:
+    """Offsets ``lo <= hi``, at most _BISECT_BYTES apart, bisected on the stamps of a log written in time order:
+    the first stamp at or after ``lo`` comes before ``target`` (or ``lo`` is 0), and none from ``hi +
+    _BISECT_BYTES`` on does (``past``: comes at or before it, and none after does)."""
     size = len(mm)
     lo, hi = 0, size
-    while hi - lo > 65536:
+    while hi - lo > _BISECT_BYTES:
         mid = (lo + hi) // 2
-        m = _STAMP.search(mm, mid, min(size, mid + 65536))
+        m = _STAMP.search(mm, mid, min(size, mid + _BISECT_BYTES))
         t = wall(m.group(1)) if m else None
-        if t is None or t >= center - PROBE_RADIUS_S:
+        if t is None or t > target or (t == target and not past):
             hi = mid
         else:
             lo = mid
-    return mm.rfind(b"\n", 0, lo) + 1
+    return lo, hi
+
+
+# How far out of time order P's log may hold a line (several processes write it, each in its own order).
+SPAN_SLACK_S: Final = 60.0
+
+
+def _span_lines(path: str, spans: list[tuple[float, float]], ere: str) -> list[tuple[int, bytes]]:
+    """The lines of P's log that ``ere`` (a search stamped in the spans) matches, numbered as grep numbers them:
+    the log is written in time order, so only the bytes that can hold the spans' stamps (bisected, with
+    SPAN_SLACK_S and the stamps' 10-second buckets around them) are searched, not the whole file."""
+    if path.endswith(".gz"):
+        return list(grep_ere(path, ere, rg_reads_it=True))
+    first, last = min(lo for lo, _ in spans) - 10 - SPAN_SLACK_S, max(hi for _, hi in spans) + 10 + SPAN_SLACK_S
+    clock: dict[bytes, float | None] = {}
+
+    def wall(stamp: bytes) -> float | None:
+        if stamp not in clock:
+            clock[stamp] = vllm_wall_clock(stamp.decode(), first)
+        return clock[stamp]
+
+    with _mapped(path) as mm:
+        if mm is None:
+            return []
+        lo, _hi = _bracket(mm, first, wall)
+        start = mm.rfind(b"\n", 0, lo) + 1
+        end = len(mm)
+        # up to the first line stamped past the spans, from the bracket's start (a stretch without stamps, a long
+        # traceback, does not end them)
+        for m in _STAMP.finditer(mm, max(start, _bracket(mm, last, wall, past=True)[0])):
+            t = wall(m.group(1))
+            if t is not None and t > last:
+                end = mm.rfind(b"\n", 0, m.start()) + 1
+                break
+        data, first_line = mm[start:end], count_newlines(mm, 0, start) + 1
+    return grep_ere_in(data, ere, first_line, name=path, rg_reads_it=True)
 
 
 def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[str]) -> Ledger | None:
@@ -235,10 +295,7 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
     if not starts:
         return None
     spans = _spans((starts[r], max(ends[r], starts[r]) + (0 if ends[r] > starts[r] else OPEN_READ_S)) for r in starts)
-    proxy_ere = "^(" + "|".join(_ere(p) for p in _prefixes(spans, "%Y-%m-%d %H:%M:%S")) + ")"
-    ansi = "(\x1b\\[[0-9;]*m)*"
-    vllm_ere = f" {ansi}(DEBUG|INFO|WARNING|ERROR|CRITICAL){ansi} +{ansi}(" + "|".join(
-        _ere(p) for p in _prefixes(spans, "%m-%d %H:%M:%S")) + ")"
+    proxy_ere, vllm_ere = span_patterns(spans)
     seen = {(r.path, r.lineno) for r in index.proxy}
     extra = LogIndex(events=index.events, file_roles=index.file_roles, formats=index.formats)
     stats = LineStats()
@@ -249,13 +306,14 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
         return None
     p_lines: dict[str, dict[int, bytes]] = {}
     for path in _engine_files(index):
-        p_lines[path] = dict(ln for ln in grep_ere(path, vllm_ere) if _SPAN_KEEP.search(ln[1]))
+        p_lines[path] = dict(ln for ln in _span_lines(path, spans, vllm_ere) if _SPAN_KEEP.search(ln[1]))
     for path, lines in p_lines.items():
         lines.update(head_lines(path, (b"Transfer plan: ", b"with config: "), HEAD_LIMIT))
         extra.vllm.extend(parse_vllm_numbered(sorted(lines.items()), path, stats))
     for f in files:
         if f.fmt == "proxy":
-            extra.proxy.extend(r for r in parse_proxy_numbered(grep_ere(f.path, proxy_ere), f.path, stats)
+            extra.proxy.extend(r for r in parse_proxy_numbered(grep_ere(f.path, proxy_ere, rg_reads_it=True), f.path,
+                                                               stats)
                                if (r.path, r.lineno) not in seen)
     if not any(r.kind == "transfer_plan" for r in extra.vllm):  # logged at P's first read from each D
         for path in _engine_files(index):

@@ -10,6 +10,7 @@ reference proxy's lines and the benchmark's RequestStats around them. P runs wit
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 import subprocess
@@ -319,7 +320,6 @@ def test_the_probe_keeps_the_lines_a_line_by_line_reading_keeps(tmp_path: Path) 
     """The probe finds where its minute ends in one pass over the bytes: the same lines as reading each line's
     first stamp, on logs with lines without a stamp, two stamps in a line, colours, out-of-order writers,
     a year's turn and an unterminated last line."""
-    import random
     import time
 
     from kvdiag.diagnostics.window_load import _periodic, _probe
@@ -401,3 +401,67 @@ def test_a_handle_p_rejected_is_no_threshold_skip(tmp_path: Path) -> None:
     assert got[("agent-i", 2)][0] == "unknown" and "Got invalid KVTransferParams" in got[("agent-i", 2)][2]
     one = explain_conversation([str(run)], "agent-i").turns[1]
     assert one.verdict.value == "unknown"
+
+
+def _p_log(rng: random.Random, t0: float, lines: int, disorder: float) -> bytes:
+    """A P log written in time order (each line up to ``disorder`` seconds late), with stampless stretches."""
+    import time
+
+    out: list[str] = []
+    t = t0
+    for i in range(lines):
+        t += rng.choice((0.0, 0.05, 0.5, 2.0))
+        stamp = time.strftime("%m-%d %H:%M:%S", time.gmtime(t - rng.uniform(0, disorder)))
+        colour = rng.choice(("", "", "\x1b[32m"))
+        out.append(rng.choice((
+            f"(APIServer pid=7) {colour}INFO{colour} {stamp} [loggers.py:335] Engine 000: Avg prompt throughput: 1.0",
+            f"(APIServer pid=7) INFO {stamp} [metrics.py:108] KV Transfer metrics: Num successful transfers=1",
+            f"(EngineCore pid=8) INFO {stamp} [logger.py:45] Received request chatcmpl-{i:x}-0f0f0f0f: params\r",
+            f'(APIServer pid=7) INFO:     10.0.0.1:4242 - "POST /v1/chat/completions HTTP/1.1" 200 OK {stamp}',
+            f"(EngineCore pid=8) WARNING {stamp} [x.py:1] Declining expired remote read for chatcmpl-{i:x}-1",
+        )))
+        if i % 500 == 499:  # a traceback: no stamp for a while
+            out.extend(f'  File "x.py", line {k}, in f \xff' for k in range(rng.randint(1, 3000)))
+    return "\n".join(out).encode("utf-8", errors="surrogateescape") + b"\n"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_spans_read_by_bisection_are_the_lines_a_whole_search_finds(tmp_path: Path, seed: int) -> None:
+    """One conversation reads P's lines around its reads from the bytes that can hold them (bisected on the
+    stamps): the same lines, numbered the same, as searching the whole file, in a log written in time order
+    with lines up to a few seconds late and long stretches without a stamp."""
+    from kvdiag.diagnostics.scan import grep_ere
+    from kvdiag.diagnostics.window_load import _span_lines, span_patterns
+
+    rng = random.Random(seed)
+    t0 = 1_798_700_000.0 + seed * 1000
+    path = tmp_path / "prefill.log"
+    path.write_bytes(_p_log(rng, t0, 20_000, disorder=5.0))
+    for _ in range(4):
+        a = t0 + rng.uniform(-300, 9000)
+        spans = sorted([(a, a + rng.uniform(0, 400)), (a + 900, a + 950)][:rng.randint(1, 2)])
+        _proxy_ere, vllm_ere = span_patterns(spans)
+        whole = list(grep_ere(str(path), vllm_ere, rg_reads_it=True))
+        assert _span_lines(str(path), spans, vllm_ere) == whole
+
+
+def test_lines_later_than_the_slack_are_what_bisection_can_miss(tmp_path: Path) -> None:
+    """Negative control: the bisected read relies on P's log being written in time order; a line stamped long
+    before its neighbours (beyond SPAN_SLACK_S) is found by a whole search but not by the bisected one."""
+    import time
+
+    from kvdiag.diagnostics.scan import grep_ere
+    from kvdiag.diagnostics.window_load import SPAN_SLACK_S, _span_lines, span_patterns
+
+    t0 = 1_798_700_000.0
+    lines = [f"(A pid=1) INFO {time.strftime('%m-%d %H:%M:%S', time.gmtime(t0 + i))} [x.py:1] Received request r{i}"
+             for i in range(20_000)]
+    late = time.strftime("%m-%d %H:%M:%S", time.gmtime(t0 + 100))
+    lines.insert(15_000, f"(A pid=1) INFO {late} [x.py:1] Received request written {SPAN_SLACK_S * 10:.0f} s late")
+    path = tmp_path / "prefill.log"
+    path.write_text("\n".join(lines) + "\n")
+    spans = [(t0 + 90, t0 + 110)]
+    _proxy_ere, vllm_ere = span_patterns(spans)
+    whole = list(grep_ere(str(path), vllm_ere))
+    bisected = _span_lines(str(path), spans, vllm_ere)
+    assert len(whole) == len(bisected) + 1 and set(bisected) < set(whole)

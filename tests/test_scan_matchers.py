@@ -156,3 +156,51 @@ def test_one_conversation_with_many_request_ids_keeps_every_line(tmp_path: Path)
     for _ in range(5):
         found = [n for n, _ in scan.grep_prefixed(str(log), b"[", ids, suffix=b"]")]
         assert found == list(range(1, 3001, 2))
+
+
+def test_the_stats_windows_searches_keep_the_same_lines_with_rg_grep_and_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The searches for P's and the proxy's lines around a conversation's reads (window_load.span_patterns) run in
+    rg where it is installed: it keeps exactly what grep -E (under LC_ALL=C) and Python keep, on lines with
+    colours, invalid UTF-8 between the stamp and the kind, NUL, CR, stamps outside the span and kinds the ledger
+    does not read."""
+    import time
+
+    from kvdiag.diagnostics.window_load import _SPAN_KEEP_WORDS, span_patterns
+
+    rng = random.Random(7)
+    t0 = 1_795_946_400.0
+    spans = [(t0 + 100, t0 + 160), (t0 + 400, t0 + 410)]
+    proxy_ere, vllm_ere = span_patterns(spans)
+    words = [w.decode() for w in _SPAN_KEEP_WORDS] + ["POST /v1/chat/completions", "Engine 000: other"]
+    vllm, proxy = [], []
+    for _ in range(3000):
+        t = t0 + rng.uniform(0, 500)
+        colour = rng.choice(("", "\x1b[32m", "\x1b[0m\x1b[1;2m"))
+        stamp = time.strftime("%m-%d %H:%M:%S", time.gmtime(t))
+        junk = rng.choice(("", "\xff\xfe", "\x00", "é", "\r"))
+        word = rng.choice(words)
+        level = rng.choice(("INFO", "DEBUG", "WARNING", "ERROR", "CRITICAL", "NOTICE"))
+        vllm.append(rng.choice((
+            f"(APIServer pid=1) {colour}{level}{colour} {colour}{stamp}{colour} [x.py:1] {junk}{word} tail",
+            f"(EngineCore pid=2) {level}  {stamp} [y.py:2] {word}{junk}",
+            f"{word} before the stamp {level} {stamp} [z.py:3]{junk}",
+            f"no stamp at all {word}")))
+        proxy.append(rng.choice((
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))} [INFO] disagg_proxy: [r{rng.randint(1, 99)}] "
+            f"conv=c{junk}: cache MISS",
+            f" {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t))} not at the line's start",
+            f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(t))},123 [INFO] p: x{junk}")))
+    for name, lines, ere in (("p.log", vllm, vllm_ere), ("proxy.log", proxy, proxy_ere)):
+        path = tmp_path / name
+        path.write_bytes(b"\n".join(ln.encode("utf-8", errors="surrogateescape").replace(b"\xc3\xbf", b"\xff")
+                                    .replace(b"\xc3\xbe", b"\xfe") for ln in lines) + b"\n")
+        assert scan.ripgrep() is not None
+        rg = list(scan.grep_ere(str(path), ere, rg_reads_it=True))
+        grep = list(scan.grep_ere(str(path), ere))
+        monkeypatch.setattr(scan, "GREP", None)
+        python = list(scan.grep_ere(str(path), ere, rg_reads_it=False))
+        monkeypatch.undo()
+        assert rg == grep == python
+        assert 0 < len(rg) < len(lines) // 2  # the search keeps some lines and leaves most
+        assert any(b"\xff" in ln for _, ln in rg)  # (a line with a byte that is no UTF-8 is among them)
