@@ -14,7 +14,7 @@ from typing import Final
 from kvdiag.diagnostics.detect import LogFile, LogReadError
 from kvdiag.diagnostics.json_logs import EventRecord
 from kvdiag.diagnostics.proxy_log_parser import ProxyRecord, parse_proxy_numbered
-from kvdiag.diagnostics.verdict_engine import Run, apply_windows
+from kvdiag.diagnostics.verdict_engine import Run, apply_windows, insert_rows
 from kvdiag.diagnostics.vllm_log_parser import VllmRecord, parse_vllm_numbered
 from kvdiag.diagnostics.window_load import _periodic, _probe, ledger_for_conversation, ledger_for_index
 from kvdiag.diagnostics.windows import Ledger, LogIndex
@@ -64,8 +64,7 @@ def decide_windows(run: Run, wanted: Sequence[str], *, one: bool) -> None:
     if ledger is None:
         return
     rows, texts = findings(ledger, wanted, run.files)
-    if texts:
-        run.con.executemany("INSERT INTO wtext VALUES (?, ?, ?)", texts)
+    insert_rows(run.con, "wtext", ("BIGINT", "VARCHAR", "VARCHAR"), texts)
     apply_windows(run, rows)
 
 

@@ -526,9 +526,22 @@ def wanted_windows(run: Run) -> list[str]:
 def apply_windows(run: Run, findings: Sequence[tuple[object, ...]]) -> None:
     """Decide again with P's stats-window findings (rows of WINDOW_COLUMNS after the request id)."""
     run.con.execute("DELETE FROM wfind")
-    if findings:
-        run.con.executemany(f"INSERT INTO wfind VALUES ({', '.join('?' for _ in range(9))})", list(findings))
+    insert_rows(run.con, "wfind", ("VARCHAR", *_WINDOW_TYPES), findings)
     _decide_with_windows(run)
+
+
+_WINDOW_TYPES: Final = tuple(c.split()[1] for c in WINDOW_COLUMNS.split(", "))
+
+
+def insert_rows(con: duckdb.DuckDBPyConnection, table: str, types: Sequence[str], rows: Sequence[Sequence[object]]
+                ) -> None:
+    """Append ``rows`` (values of the SQL ``types``, in the table's column order) to ``table`` in one statement:
+    one list per column, unnested side by side (executemany runs a statement per row: seconds for 20k rows)."""
+    if not rows:
+        return
+    columns = [list(col) for col in zip(*rows, strict=True)]
+    select = ", ".join(f"unnest(${i}::{t}[])" for i, t in enumerate(types, start=1))
+    con.execute(f"INSERT INTO {table} SELECT {select}", columns)
 
 
 @contextlib.contextmanager
