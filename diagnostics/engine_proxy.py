@@ -16,7 +16,8 @@ from kvdiag.diagnostics.engine_parse import _RTRIM_CR, _literal, _re2, sql_str
 from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS as PROXY_CLASSIFIERS
 from kvdiag.diagnostics.proxy_log_parser import PROXY_RE
 
-_PROXY_NAMES: Final = ("conv", "age", "ttl", "remote", "blocks", "rid", "why", "ms", "detail", "p", "d")
+# pl's group columns: every named group of the classifiers, each a column (NULL where a kind has none)
+PROXY_GROUPS: Final = tuple(dict.fromkeys(g for _kind, regex in PROXY_CLASSIFIERS for g in regex.groupindex))
 
 # The common kinds' groups are read in the RE2 pass that matches them: RE2 reads a one-pass pattern's groups
 # (at each character the next step is certain) about as fast as it matches it. Their patterns are, but for the
@@ -108,7 +109,7 @@ def parse_proxy_sql() -> list[str]:
         else:
             kinds.append(f"WHEN {_kind_test(regex)} AND regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}")
     fields = []
-    for name in _PROXY_NAMES:
+    for name in PROXY_GROUPS:
         exprs: dict[int, str] = {}
         for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS):
             if name not in regex.groupindex:

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from typing import Final
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError
+from kvdiag.diagnostics.engine_proxy import PROXY_GROUPS
 from kvdiag.diagnostics.json_logs import EventRecord
-from kvdiag.diagnostics.proxy_log_parser import ProxyRecord, parse_proxy_numbered
+from kvdiag.diagnostics.proxy_log_parser import ProxyRecord
 from kvdiag.diagnostics.verdict_engine import Run, apply_windows, insert_rows
 from kvdiag.diagnostics.vllm_log_parser import VllmRecord, parse_vllm_numbered
 from kvdiag.diagnostics.window_load import _periodic, _probe, ledger_for_conversation, ledger_for_index
@@ -38,10 +39,8 @@ def window_index(run: Run) -> LogIndex:
     roles = dict(run.con.execute("SELECT f, role FROM froles").fetchall())
     index = LogIndex(file_roles={lf.path: roles.get(f) for f, lf in enumerate(run.files)},
                      formats={lf.path: lf.fmt for lf in run.files})
-    proxy_files = {f for f, lf in enumerate(run.files) if lf.fmt == "proxy"}
     vllm_files = {f for f, lf in enumerate(run.files) if lf.fmt == "vllm"}
-    for f, numbered in sorted(_lines(run, "lines_proxy", proxy_files).items()):
-        index.proxy.extend(parse_proxy_numbered(numbered, run.files[f].path))
+    index.proxy = proxy_records(run)
     for f, numbered in sorted(_lines(run, "lines_vllm", vllm_files).items()):
         index.vllm.extend(parse_vllm_numbered(numbered, run.files[f].path))
     for f, n, ts, rid, outcome in run.con.execute(
@@ -50,6 +49,22 @@ def window_index(run: Run) -> LogIndex:
         index.events.append(EventRecord(path=run.files[f].path, lineno=n, text="", event=TurnEvent(
             ts=ts, source="prefill", event="prefill_request", request_id=rid, outcome=outcome)))
     return index
+
+
+def proxy_records(run: Run) -> list[ProxyRecord]:
+    """The proxy's lines the engine classified (``pl``: the parser's kinds and groups), as the parser's records,
+    in file and line order: reading them again in Python cost as much as the rest of the windows' work."""
+    paths = {f: lf.path for f, lf in enumerate(run.files)}
+    groups = ", ".join(f"p.{g}" for g in PROXY_GROUPS)
+    rows = run.con.execute(f"""SELECT p.f, p.n, p.ts, p.kind, left(rtrim(l.line, chr(13) || chr(10)), 500), {groups}
+        FROM pl p JOIN lines_proxy l USING (f, n) ORDER BY p.f, p.n""").fetchall()
+    out = []
+    for f, n, ts, kind, text, *values in rows:
+        # the level as PROXY_RE reads it: the first "[...]" after the time stamp (which holds no "[")
+        level = text.partition(" [")[2].partition("]")[0]
+        out.append(ProxyRecord(path=paths[f], lineno=n, ts=ts, level=level, kind=kind, text=text,
+                               fields={g: v for g, v in zip(PROXY_GROUPS, values, strict=True) if v is not None}))
+    return out
 
 
 def decide_windows(run: Run, wanted: Sequence[str], *, one: bool) -> None:

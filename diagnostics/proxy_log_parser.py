@@ -67,6 +67,7 @@ def _day_start(day: str) -> float:
     return float(calendar.timegm(time.strptime(day, "%Y-%m-%d")))
 
 
+@functools.lru_cache(maxsize=65536)  # (a busy proxy logs dozens of lines a second, each with the same stamp)
 def wall_clock(ts: str) -> float | None:
     """Seconds since the epoch of a proxy timestamp, read as written (no timezone is logged)."""
     try:

@@ -165,7 +165,8 @@ class Ledger:
         open_offers = sorted((o for o in offers if o.counted is not False), key=lambda o: o.lo)
         self._open = open_offers
         self._los = [self._span(o)[0] for o in open_offers]
-        self._his = sorted(self._span(o)[1] for o in open_offers)
+        self._open_his = [self._span(o)[1] for o in open_offers]  # (each read's end, in self._open's order)
+        self._his = sorted(self._open_his)
         self._longest = max((o.hi - o.lo + 2 * CLOCK_SLACK_S for o in open_offers), default=0.0)
         self._tight: dict[str, tuple[StatWindow, ...]] = {}
         self._problems: list[tuple[float, float, str]] = []  # windows whose counts no offered read explains
@@ -183,7 +184,7 @@ class Ledger:
     def _intersecting(self, lo: float, hi: float) -> list[Offer]:
         start = bisect.bisect_left(self._los, lo - self._longest)
         end = bisect.bisect_left(self._los, hi)
-        return [o for o in self._open[start:end] if self._span(o)[1] > lo]
+        return [o for o, o_hi in zip(self._open[start:end], self._open_his[start:end], strict=True) if o_hi > lo]
 
     def _count(self, lo: float, hi: float) -> int:
         return bisect.bisect_left(self._los, hi) - bisect.bisect_right(self._his, lo)
