@@ -8,17 +8,18 @@ findings as rows the rules read (``wfind``) and the text of the lines they cite 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError
+from kvdiag.diagnostics.engine_parse import sql_str
 from kvdiag.diagnostics.engine_proxy import PROXY_GROUPS
 from kvdiag.diagnostics.json_logs import EventRecord
 from kvdiag.diagnostics.proxy_log_parser import ProxyRecord
 from kvdiag.diagnostics.verdict_engine import Run, apply_windows, insert_rows
 from kvdiag.diagnostics.vllm_log_parser import VllmRecord, parse_vllm_numbered
 from kvdiag.diagnostics.window_load import _periodic, _probe, ledger_for_conversation, ledger_for_index
-from kvdiag.diagnostics.windows import Ledger, LogIndex
+from kvdiag.diagnostics.windows import OFFER_KINDS, Ledger, LogIndex
 from kvdiag.schema.events import TurnEvent
 
 
@@ -33,14 +34,15 @@ def _lines(run: Run, table: str, files: set[int]) -> dict[int, list[tuple[int, s
     return out
 
 
-def window_index(run: Run) -> LogIndex:
-    """The run's records as the ledger reads them (the proxy's lines and the engines' kept lines, parsed by the
-    Python parsers; P's prefill events' outcomes)."""
+def window_index(run: Run, proxy_kinds: Collection[str] | None = None) -> LogIndex:
+    """The run's records as the ledger reads them (the proxy's lines as the engine classified them, of
+    ``proxy_kinds`` only when given; the engines' kept lines, parsed by the Python parser; P's prefill events'
+    outcomes)."""
     roles = dict(run.con.execute("SELECT f, role FROM froles").fetchall())
     index = LogIndex(file_roles={lf.path: roles.get(f) for f, lf in enumerate(run.files)},
                      formats={lf.path: lf.fmt for lf in run.files})
     vllm_files = {f for f, lf in enumerate(run.files) if lf.fmt == "vllm"}
-    index.proxy = proxy_records(run)
+    index.proxy = proxy_records(run, proxy_kinds)
     for f, numbered in sorted(_lines(run, "lines_vllm", vllm_files).items()):
         index.vllm.extend(parse_vllm_numbered(numbered, run.files[f].path))
     for f, n, ts, rid, outcome in run.con.execute(
@@ -51,13 +53,15 @@ def window_index(run: Run) -> LogIndex:
     return index
 
 
-def proxy_records(run: Run) -> list[ProxyRecord]:
-    """The proxy's lines the engine classified (``pl``: the parser's kinds and groups), as the parser's records,
-    in file and line order: reading them again in Python cost as much as the rest of the windows' work."""
+def proxy_records(run: Run, kinds: Collection[str] | None = None) -> list[ProxyRecord]:
+    """The proxy's lines the engine classified (``pl``: the parser's kinds and groups), of ``kinds`` when given,
+    as the parser's records, in file and line order: reading them again in Python cost as much as the rest of
+    the windows' work."""
     paths = {f: lf.path for f, lf in enumerate(run.files)}
     groups = ", ".join(f"p.{g}" for g in PROXY_GROUPS)
+    only = "" if kinds is None else f"WHERE p.kind IN ({', '.join(sql_str(k) for k in sorted(kinds))})"
     rows = run.con.execute(f"""SELECT p.f, p.n, p.ts, p.kind, left(rtrim(l.line, chr(13) || chr(10)), 500), {groups}
-        FROM pl p JOIN lines_proxy l USING (f, n) ORDER BY p.f, p.n""").fetchall()
+        FROM pl p JOIN lines_proxy l USING (f, n) {only} ORDER BY p.f, p.n""").fetchall()
     out = []
     for f, n, ts, kind, text, *values in rows:
         # the level as PROXY_RE reads it: the first "[...]" after the time stamp (which holds no "[")
@@ -71,9 +75,12 @@ def decide_windows(run: Run, wanted: Sequence[str], *, one: bool) -> None:
     """Read P's stats windows for the ``wanted`` requests' reads and decide those turns again."""
     if not one and not _periodic_stats(run):
         return  # stat lines several a second mark no windows (docs/verdicts.md)
-    index = window_index(run)
+    # (every proxy record for one conversation: the times of its requests' lines bound what is read around them;
+    # for every conversation only those the ledger reads, and the first proxy time it takes from the others)
+    index = window_index(run, None if one else OFFER_KINDS)
     try:
-        ledger = (ledger_for_conversation(run.files, index, set(wanted)) if one else ledger_for_index(index))
+        ledger = (ledger_for_conversation(run.files, index, set(wanted)) if one
+                  else ledger_for_index(index, _first_proxy_time(run)))
     except (LogReadError, OSError, EOFError) as exc:
         raise LogReadError(str(exc)) from None
     if ledger is None:
@@ -86,6 +93,12 @@ def decide_windows(run: Run, wanted: Sequence[str], *, one: bool) -> None:
 # proxy_log_parser.wall_clock in SQL: the day read as a calendar date (NULL when it is none), then the clock
 PROXY_WALL_CLOCK: Final = ("epoch(TRY_CAST(left(ts, 10) AS DATE)) + TRY_CAST(substr(ts, 12, 2) AS INTEGER) * 3600 "
                            "+ TRY_CAST(substr(ts, 15, 2) AS INTEGER) * 60 + TRY_CAST(substr(ts, 18, 2) AS INTEGER)")
+
+
+def _first_proxy_time(run: Run) -> float | None:
+    """The earliest time among the proxy's classified lines (wall_clock's reading, in SQL)."""
+    row = run.con.execute(f"SELECT min({PROXY_WALL_CLOCK}) FROM pl").fetchall()
+    return None if not row or row[0][0] is None else float(row[0][0])
 
 
 def _periodic_stats(run: Run) -> bool:

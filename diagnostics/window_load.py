@@ -83,8 +83,9 @@ def _proxy_lines(data: bytes) -> Iterator[tuple[float, re.Match[str]]]:
             yield t, m
 
 
-def ledger_for_index(index: LogIndex) -> Ledger | None:
-    """``explain --all``: the index holds every request line; add P's stat lines and build the ledger."""
+def ledger_for_index(index: LogIndex, ref: float | None = None) -> Ledger | None:
+    """``explain --all``: the index holds every request line (``ref``: build_ledger's); add P's stat lines and
+    build the ledger."""
     extra = LogIndex(events=index.events, proxy=index.proxy, file_roles=index.file_roles, formats=index.formats,
                      vllm=list(index.vllm))
     stats = LineStats()
@@ -99,7 +100,7 @@ def ledger_for_index(index: LogIndex) -> Ledger | None:
         extra.vllm.extend(r for r in parse_vllm_numbered(lines, path, stats)
                           if r.kind in ("engine_stats", "kv_metrics", "transfer_plan", "engine_config"))
     log_range = proxy_range(p for p, fmt in index.formats.items() if fmt == "proxy")
-    return build_ledger(extra, log_range) if log_range is not None else None
+    return build_ledger(extra, log_range, ref=ref) if log_range is not None else None
 
 
 def _spans(times: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

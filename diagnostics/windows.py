@@ -363,6 +363,10 @@ def _p_status(index: LogIndex, p_paths: set[str], offers: dict[str, Offer]) -> l
     return anchors
 
 
+# The proxy's kinds the ledger reads (_offers); every other kind only adds to the first time (``ref``).
+OFFER_KINDS: Final = frozenset({"ready", "sending", "prefill_done", "prefill_failed", "decode_failed", "cached"})
+
+
 def _offers(index: LogIndex) -> tuple[dict[str, Offer], int | None]:
     """Every read the proxy offered P; and the prefill instances its last ``Ready`` line names."""
     sent: dict[str, ProxyRecord] = {}
@@ -546,19 +550,20 @@ class ProxyRange:
     fresh: bool  # the earliest file opens with the proxy's "Ready" line: no request came before
 
 
-def build_ledger(index: LogIndex, log_range: ProxyRange, *, spans: list[tuple[float, float]] | None = None
-                 ) -> Ledger | None:
+def build_ledger(index: LogIndex, log_range: ProxyRange, *, spans: list[tuple[float, float]] | None = None,
+                 ref: float | None = None) -> Ledger | None:
     """The ledger of every offered read against P's stats windows, or None without offers or a P log.
 
     ``spans``: the proxy-clock spans whose every proxy line is in the index (default: all of
-    ``log_range``). Only windows inside one of them can account for all of their reads.
+    ``log_range``). Only windows inside one of them can account for all of their reads. ``ref``: the time of
+    the earliest proxy record, when the index holds only those of OFFER_KINDS (default: the index's earliest).
     """
     p_paths = _prefill_paths(index)
     offers, prefills = _offers(index)
     if not p_paths or not offers:
         return None
-    times = [t for t in (wall_clock(r.ts) for r in index.proxy) if t is not None]
-    ref = min(times)
+    if ref is None:
+        ref = min(t for t in (wall_clock(r.ts) for r in index.proxy) if t is not None)
     streams, plans, configs = _build_streams(index, p_paths, ref)
     anchors = _p_status(index, set(p_paths), offers)
     offset, problem = _clock_offset(anchors, ref)

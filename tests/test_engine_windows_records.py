@@ -13,6 +13,7 @@ from kvdiag.diagnostics.detect import detect
 from kvdiag.diagnostics.engine_proxy import _optional_groups
 from kvdiag.diagnostics.engine_windows import proxy_records
 from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS, ProxyRecord, parse_proxy_numbered
+from kvdiag.diagnostics.windows import OFFER_KINDS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
 RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir() and p.name != "__pycache__"
@@ -65,6 +66,18 @@ def test_the_engine_gives_the_parser_s_proxy_records(tmp_path: Path, folder: Pat
     got, want = _both(tmp_path, folder)
     assert want  # every case has proxy records
     assert got == want
+
+
+def test_the_kinds_the_ledger_reads_alone(tmp_path: Path) -> None:
+    """For every conversation the windows take only the kinds the ledger reads: the parser's records of them."""
+    folder = next(p for p in RUNS if p.name == "real_vllm_info")
+    files = detect([str(folder)])
+    with engine.opened(files) as run:
+        engine.load_files(run)
+        engine.parse(run)
+        got = proxy_records(run, OFFER_KINDS)
+    _all, want = _both(tmp_path, folder)
+    assert got == [r for r in want if r.kind in OFFER_KINDS] and len(got) < len(want)
 
 
 def test_a_field_lost_on_the_way_is_caught(tmp_path: Path) -> None:
