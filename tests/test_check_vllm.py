@@ -8,15 +8,17 @@ instrumented connector's report. A D started without bidirectional transfer is n
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness.testbed import real_vllm_testbed
+from vllm_harness.testbed import real_vllm_testbed, run_retrying_handshake
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -35,9 +37,33 @@ def _by_id(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["id"]: c for c in doc["checks"]}
 
 
+def _checked(tmp_path: Path, d_flags: list[str], ok: Callable[[int, dict[str, Any]], bool]
+             ) -> tuple[int, dict[str, Any]]:
+    """Run the check against a fresh testbed; once more in a new folder when ``ok`` fails on a run whose vLLM
+    logged its own NIXL handshake timeout (a loaded machine, before any kvdiag code runs)."""
+    got: list[tuple[int, dict[str, Any]]] = []
+    attempts = itertools.count(1)
+
+    def run(tmp: Path) -> None:
+        with real_vllm_testbed(tmp, d_flags=d_flags) as bed:
+            got.append(_check(bed))
+        assert ok(*got[-1]), json.dumps(got[-1][1]["checks"], indent=1)
+
+    def new_dir() -> Path:
+        path = tmp_path / f"attempt-{next(attempts)}"
+        path.mkdir()
+        return path
+
+    run_retrying_handshake(new_dir, run)
+    return got[-1]
+
+
+def _healthy(code: int, doc: dict[str, Any]) -> bool:
+    return code == 0 and all(c["status"] in ("pass", "info") for c in doc["checks"])
+
+
 def test_healthy_real_vllm_testbed_passes(tmp_path: Path) -> None:
-    with real_vllm_testbed(tmp_path) as bed:
-        code, doc = _check(bed)
+    code, doc = _checked(tmp_path, [], _healthy)
     checks = _by_id(doc)
     failed = {k: v for k, v in checks.items() if v["status"] not in ("pass", "info")}
     assert code == 0 and not failed, json.dumps(failed, indent=1)
@@ -52,8 +78,11 @@ def test_healthy_real_vllm_testbed_passes(tmp_path: Path) -> None:
     assert checks["router_decode_ttl"]["status"] == "pass"
 
 
+def _only_bidirectional_fails(code: int, doc: dict[str, Any]) -> bool:
+    return code == 1 and [c["id"] for c in doc["checks"] if c["status"] == "fail"] == ["bidirectional_decode"]
+
+
 def test_real_vllm_decode_without_bidirectional_is_named(tmp_path: Path) -> None:
-    with real_vllm_testbed(tmp_path, d_flags=["--no-bidirectional"]) as bed:
-        code, doc = _check(bed)
+    code, doc = _checked(tmp_path, ["--no-bidirectional"], _only_bidirectional_fails)
     failed = [c["id"] for c in doc["checks"] if c["status"] == "fail"]
     assert code == 1 and failed == ["bidirectional_decode"], json.dumps(doc["checks"], indent=1)

@@ -2,9 +2,10 @@
 
 One run: P (at DEBUG) and D are ``kvdiag sim prefill|decode --engine vllm`` (vLLM's real Scheduler,
 the instrumented NixlConnector, real NIXL on CPU), behind ``kvdiag router --proxy-log``. D holds
-finished blocks for ``decoder_kv_blocks_ttl=6`` s, and vLLM's P declines a read within 5 s of D's
-deadline, so a turn sent 2.5 s after the previous reply is declined (expired_remote_read) while
-back-to-back turns read D's blocks (remote_hit). Conversations: two normal ones, one without a
+finished blocks for ``decoder_kv_blocks_ttl=10`` s, and vLLM's P declines a read within 5 s of D's
+deadline, so a turn sent 6.5 s after the previous reply is declined (expired_remote_read) while
+back-to-back turns read D's blocks (remote_hit): they have 5 s for it, of which the first NIXL handshake
+alone took 2.9 s on a loaded 2-core machine. Conversations: two normal ones, one without a
 conversation_id and one with the long gap, three turns each.
 
 explain must return the router's recorded outcome for every turn from (a) every file (confirmed),
@@ -44,8 +45,8 @@ from kvdiag.sim.workload_plan import ConversationPlan, TurnPlan, WorkloadConfig
 pytestmark = pytest.mark.vllm
 
 BIN = Path(sys.executable).parent
-D_TTL_S = 6.0
-LONG_GAP_S = 2.5          # D's deadline is then 3.5 s away, inside vLLM's 5 s safety margin: P declines
+D_TTL_S = 10.0
+LONG_GAP_S = 6.5          # D's deadline is then 3.5 s away, inside vLLM's 5 s safety margin: P declines
 DEBUG_LINE = re.compile(r"\(\w+ pid=\d+\) DEBUG ")
 STOCK_NAMES = ("prefill.log", "decode.log", "proxy.log", "client-stats.json")
 
@@ -82,7 +83,7 @@ def _run_testbed(tmp: Path, plans: tuple[ConversationPlan, ...], p_flags: list[s
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """P at DEBUG, D with a 6 s TTL: the four conversations of PLANS."""
+    """P at DEBUG, D with a 10 s TTL: the four conversations of PLANS."""
     return run_retrying_handshake(
         lambda: tmp_path_factory.mktemp("real_vllm"),
         lambda tmp: _run_testbed(tmp, PLANS, ["--log-level", "debug", "--decoder-kv-blocks-ttl", str(D_TTL_S)],
