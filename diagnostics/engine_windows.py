@@ -23,12 +23,12 @@ from kvdiag.diagnostics.windows import OFFER_KINDS, Ledger, LogIndex
 from kvdiag.schema.events import TurnEvent
 
 
-def _lines(run: Run, table: str, files: set[int]) -> dict[int, list[tuple[int, str]]]:
+def _lines(run: Run, table: str, files: set[int], where: str = "true") -> dict[int, list[tuple[int, str]]]:
     out: dict[int, list[tuple[int, str]]] = defaultdict(list)
     if not files:
         return out
     rows = run.con.execute(f"SELECT f, n, line FROM {table} WHERE f IN ({', '.join(map(str, sorted(files)))}) "
-                           "AND line IS NOT NULL ORDER BY f, n").fetchall()
+                           f"AND line IS NOT NULL AND ({where}) ORDER BY f, n").fetchall()
     for f, n, line in rows:
         out[f].append((n, line))
     return out
@@ -41,9 +41,13 @@ def window_index(run: Run, proxy_kinds: Collection[str] | None = None) -> LogInd
     roles = dict(run.con.execute("SELECT f, role FROM froles").fetchall())
     index = LogIndex(file_roles={lf.path: roles.get(f) for f, lf in enumerate(run.files)},
                      formats={lf.path: lf.fmt for lf in run.files})
-    vllm_files = {f for f, lf in enumerate(run.files) if lf.fmt == "vllm"}
+    p_files = {f for f, lf in enumerate(run.files) if lf.fmt == "vllm" and roles.get(f) == "prefill"}
+    other_files = {f for f, lf in enumerate(run.files) if lf.fmt == "vllm"} - p_files
     index.proxy = proxy_records(run, proxy_kinds)
-    for f, numbered in sorted(_lines(run, "lines_vllm", vllm_files).items()):
+    # (of the other engines' lines the ledger reads one kind: D's word that P read blocks it had released)
+    lines = {**_lines(run, "lines_vllm", p_files),
+             **_lines(run, "lines_vllm", other_files, f"contains(line, {sql_str(D_LINES_READ)})")}
+    for f, numbered in sorted(lines.items()):
         index.vllm.extend(parse_vllm_numbered(numbered, run.files[f].path))
     for f, n, ts, rid, outcome in run.con.execute(
             "SELECT f, n, ts, request_id, outcome FROM ev WHERE source = 'prefill' AND event = 'prefill_request' "
@@ -51,6 +55,10 @@ def window_index(run: Run, proxy_kinds: Collection[str] | None = None) -> LogInd
         index.events.append(EventRecord(path=run.files[f].path, lineno=n, text="", event=TurnEvent(
             ts=ts, source="prefill", event="prefill_request", request_id=rid, outcome=outcome)))
     return index
+
+
+# the start of the one kind of D's lines the ledger reads (vllm_log_parser's invalid_unrecognized)
+D_LINES_READ: Final = "Potentially invalid KV blocks for unrecognized request"
 
 
 def proxy_records(run: Run, kinds: Collection[str] | None = None) -> list[ProxyRecord]:

@@ -87,3 +87,20 @@ def test_a_field_lost_on_the_way_is_caught(tmp_path: Path) -> None:
     broken = [ProxyRecord(path=r.path, lineno=r.lineno, ts=r.ts, level=r.level, kind=r.kind, text=r.text,
                           fields={k: v for k, v in r.fields.items() if k != "remote"}) for r in got]
     assert broken != want
+
+
+def test_the_d_lines_the_windows_read_are_one_kind() -> None:
+    """Of D's lines the windows read only vLLM's 'Potentially invalid KV blocks for unrecognized request' (P read
+    blocks D had released): the string D's lines are filtered by opens that kind's pattern."""
+    import re
+
+    from kvdiag.diagnostics.engine_windows import D_LINES_READ
+    from kvdiag.diagnostics.vllm_log_parser import classify_message
+
+    kind, fields = classify_message(f"{D_LINES_READ} chatcmpl-r1-0f0f0f0f were retrieved")
+    assert kind == "invalid_unrecognized" and fields["request_id"] == "chatcmpl-r1-0f0f0f0f"
+    assert classify_message(f"{D_LINES_READ[:-1]}X chatcmpl-r1-0f0f0f0f")[0] != "invalid_unrecognized"
+    source = Path(__file__).resolve().parents[1] / "diagnostics" / "windows.py"
+    # (the ledger reads, of a file that is not P's, that kind alone)
+    assert re.findall(r'if rec\.path not in p_paths:\n\s+if rec\.kind == "(\w+)"', source.read_text()) == [
+        "invalid_unrecognized"]
