@@ -167,16 +167,12 @@ PROBE_BYTES: Final = 8 * 1024 * 1024
 
 
 def _probe(path: str, center: float) -> list[bytes]:
-    """The lines of a (time-ordered) vLLM log within PROBE_RADIUS_S of ``center``, found by bisecting byte
-    offsets on the lines' timestamps; every line for a compressed file (it cannot be bisected)."""
+    """The Engine stat lines of a (time-ordered) vLLM log within PROBE_RADIUS_S of ``center``, found by bisecting
+    byte offsets on the lines' timestamps; every such line for a compressed file (it cannot be bisected)."""
     if path.endswith(".gz"):
         return [ln for _, ln in grep_lines(path, [b"Avg prompt throughput: "])]
     with _mapped(path) as mm:
-        if mm is None:
-            return []
-        start, end, whole = _probe_span(mm, center)
-        lines = mm[start:end].split(b"\n")
-        return lines if whole else lines[:-1]
+        return [] if mm is None else _probe_ticks(mm, center)
 
 
 @contextlib.contextmanager
@@ -194,10 +190,13 @@ def _mapped(path: str) -> Iterator[mmap.mmap | None]:
             yield mm
 
 
-def _probe_span(mm: mmap.mmap, center: float) -> tuple[int, int, bool]:
-    """The probe's bytes ``mm[start:end]``: from the line where the minute starts (bisected), up to PROBE_BYTES,
-    cut before the first line whose (first) stamp is past it (``whole`` is False then: the bytes end with that
-    line's newline)."""
+_TICK_MARK: Final = b": Avg prompt"  # (in every line _ENGINE_TICK matches)
+
+
+def _probe_ticks(mm: mmap.mmap | bytes, center: float) -> list[bytes]:
+    """From the line where the minute starts (bisected), up to PROBE_BYTES, the lines holding an Engine stat, up
+    to the first whose (first) stamp is past the minute. Only those lines are read: a minute of a busy P's log
+    is megabytes, and a regular expression over all of it cost more than the rest of a conversation's look."""
     clock: dict[bytes, float | None] = {}  # (a second's lines share its stamp: each is read once)
 
     def wall(stamp: bytes) -> float | None:
@@ -207,17 +206,21 @@ def _probe_span(mm: mmap.mmap, center: float) -> tuple[int, int, bool]:
 
     start = _probe_start(mm, center, wall)
     limit = min(len(mm), start + PROBE_BYTES)
-    # one pass of the pattern over the bytes (a stamp holds no newline, so a match never spans lines)
-    line_at = -1
-    for m in _STAMP.finditer(mm, start, limit):
-        at = max(mm.rfind(b"\n", start, m.start()) + 1, start)
-        if at == line_at:
-            continue  # only a line's first stamp counts
-        line_at = at
-        t = wall(m.group(1))
+    out = []
+    at = mm.find(_TICK_MARK, start, limit)
+    while at >= 0:
+        begin = mm.rfind(b"\n", start, at) + 1 or start
+        end = mm.find(b"\n", at, limit)
+        line = mm[begin:limit if end < 0 else end]
+        m = _STAMP.search(line)
+        t = wall(m.group(1)) if m else None
         if t is not None and t > center + PROBE_RADIUS_S:
-            return start, at, False
-    return start, limit, True
+            break
+        out.append(line)
+        if end < 0:
+            break
+        at = mm.find(_TICK_MARK, end, limit)
+    return out
 
 
 def _probe_start(mm: mmap.mmap | bytes, center: float, wall: Callable[[bytes], float | None]) -> int:

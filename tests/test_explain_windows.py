@@ -288,9 +288,12 @@ def test_the_probe_bisects_a_large_log_to_the_minute_around_a_read(tmp_path: Pat
     path.write_text("".join(lines))
     center = t0 + 5_000.0
     got = _probe(str(path), center)
-    stamps = {ln.split(b" INFO ")[1][:14].decode() for ln in got if b" INFO " in ln}
-    want = {time.strftime("%m-%d %H:%M:%S", time.gmtime(center + d)) for d in range(-20, 21)}
-    assert want <= stamps and len(got) < 2 * 6 * (2 * PROBE_RADIUS_S + 60)
+    stamps = {ln.split(b" INFO ")[1][:14].decode() for ln in got}
+    # the Engine lines of the minute around the read (one every 10 s), and no other line
+    want = {time.strftime("%m-%d %H:%M:%S", time.gmtime(t0 + i / 6)) for i in range(0, 60_000, 60)
+            if abs(t0 + i / 6 - center) <= PROBE_RADIUS_S - 10}
+    assert len(want) >= 4 and want <= stamps and len(got) < (2 * PROBE_RADIUS_S + 120) / 10  # (bisected to 64 KB)
+    assert all(b"Engine 000: Avg prompt" in ln for ln in got)
     assert _periodic(got)
     # several Engine lines a second: not periodic
     dense = tmp_path / "dense.log"
@@ -299,8 +302,8 @@ def test_the_probe_bisects_a_large_log_to_the_minute_around_a_read(tmp_path: Pat
 
 
 def _probe_line_by_line(path: Path, center: float) -> list[bytes]:
-    """The probe as first written: from the bisected start, every line's first stamp read in turn (the reference
-    for the one-pass form)."""
+    """The probe read line by line: from the bisected start, the Engine stat lines, each line's first stamp read
+    in turn (the reference for the form that jumps from one such line to the next)."""
     from kvdiag.diagnostics.window_load import _STAMP, PROBE_BYTES, PROBE_RADIUS_S, _probe_start
     from kvdiag.diagnostics.windows import vllm_wall_clock
 
@@ -308,6 +311,8 @@ def _probe_line_by_line(path: Path, center: float) -> list[bytes]:
     start = _probe_start(data, center, lambda stamp: vllm_wall_clock(stamp.decode(), center))
     out = []
     for line in data[start:min(len(data), start + PROBE_BYTES)].split(b"\n"):
+        if b": Avg prompt" not in line:
+            continue
         m = _STAMP.search(line)
         t = vllm_wall_clock(m.group(1).decode(), center) if m else None
         if t is not None and t > center + PROBE_RADIUS_S:
@@ -317,9 +322,9 @@ def _probe_line_by_line(path: Path, center: float) -> list[bytes]:
 
 
 def test_the_probe_keeps_the_lines_a_line_by_line_reading_keeps(tmp_path: Path) -> None:
-    """The probe finds where its minute ends in one pass over the bytes: the same lines as reading each line's
-    first stamp, on logs with lines without a stamp, two stamps in a line, colours, out-of-order writers,
-    a year's turn and an unterminated last line."""
+    """The probe jumps from one Engine stat line to the next: the same lines as reading each line's first stamp,
+    on logs with lines without a stamp, two stamps in a line, colours, out-of-order writers, a year's turn and
+    an unterminated last line."""
     import time
 
     from kvdiag.diagnostics.window_load import _periodic, _probe
@@ -361,9 +366,9 @@ def test_a_probe_that_ignores_a_stamp_past_the_minute_is_caught(tmp_path: Path) 
 
     t0 = 1_798_000_000.0
     path = tmp_path / "p.log"
-    path.write_text("".join(f"(A pid=1) INFO {time.strftime('%m-%d %H:%M:%S', time.gmtime(t0 + i))} [x.py:1] r\n"
-                            for i in range(200)))
-    assert len(_probe_line_by_line(path, t0 + 100)) < 200
+    path.write_text("".join(f"(A pid=1) INFO {time.strftime('%m-%d %H:%M:%S', time.gmtime(t0 + i))} [x.py:1] "
+                            "Engine 000: Avg prompt throughput: 1.0\n" for i in range(200)))
+    assert 0 < len(_probe_line_by_line(path, t0 + 100)) < 200
 
 
 def test_coloured_vllm_logs_give_the_same_windows(tmp_path: Path) -> None:
