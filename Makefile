@@ -69,10 +69,11 @@ generate: venv
 	$(BIN)/python -m kvdiag.alerts.build --out alerts/kvdiag-alerts.yaml
 	$(BIN)/python -m kvdiag.schema.docs --out docs/metrics.md
 	$(BIN)/python -m kvdiag.cli.reference --out docs/cli.md
+	$(BIN)/python -m kvdiag.diagnostics.engine_no_events --out diagnostics/event_table_columns.py
 
 # CI gate (kubernetes-mixin style): regenerating must not change the committed files; then lint the rules.
 check-generated: generate sysdeps
-	git diff --exit-code -- dashboards alerts docs/metrics.md
+	git diff --exit-code -- dashboards alerts docs/metrics.md diagnostics/event_table_columns.py
 	promtool check rules alerts/kvdiag-alerts.yaml
 	promtool test rules tests/promtool/*.yaml
 

@@ -13,6 +13,7 @@ import re
 from collections.abc import Collection
 from typing import Final
 
+from kvdiag.diagnostics.engine_no_events import EventsOnly
 from kvdiag.diagnostics.engine_parse import VLLM_COLUMNS, sql_str
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
@@ -58,24 +59,24 @@ def facts_sql(vl_kinds: Collection[str] | None = None) -> list[str]:
         # aggregated; the others pair their client and router event by a join (ev_facts). So are the turns of a
         # line json_logs read as a JSON array of events (its events share the line's place; aggregated, a turn
         # of one client and one router event gets the values the pair gives).
-        f"""CREATE TEMP TABLE tev_multi AS SELECT sid FROM (
+        EventsOnly(f"""CREATE TEMP TABLE tev_multi AS SELECT sid FROM (
              SELECT sid, CASE WHEN pass IN (1, 2) THEN 0 ELSE 1 END AS grp FROM ev_slot
              UNION ALL SELECT sid, 2 FROM eng_slot) GROUP BY sid
            HAVING count(*) FILTER (WHERE grp = 0) > 1 OR count(*) FILTER (WHERE grp = 1) > 1
              OR count(*) FILTER (WHERE grp >= 2) > 0
            UNION ALL SELECT sid FROM ev_slot WHERE {REF} IN (
-             SELECT {REF} FROM ev WHERE text IS NOT NULL GROUP BY f, n HAVING count(*) > 1)""",
+             SELECT {REF} FROM ev WHERE text IS NOT NULL GROUP BY f, n HAVING count(*) > 1)"""),
         # the events of those turns in the order the rules read them: client, router, P (each in file order), D
-        f"""CREATE TEMP TABLE tev_r AS
+        EventsOnly(f"""CREATE TEMP TABLE tev_r AS
            SELECT {cols}, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp, {_ev_order('e.source')} AS o
            FROM ev_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)
            UNION ALL SELECT {cols}, s.sid, CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END,
              (CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END::BIGINT << 58) + {REF.replace('f', 'e.f').replace(
                  '+ n', '+ e.n')}
-           FROM eng_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)""",
+           FROM eng_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)"""),
         _ev_facts_sql(cols),
         # the deciding event: a paired turn's is in ev_facts already (its dec_ columns, dropped after)
-        f"""CREATE TEMP TABLE decider AS
+        EventsOnly(f"""CREATE TEMP TABLE decider AS
            WITH pick AS (SELECT sid, eng_os, CASE
                WHEN r_first IS NOT NULL AND r_inferred AND p_known IS NOT NULL THEN p_known
                WHEN r_first IS NOT NULL AND r_outcome <> 'unknown' THEN r_first
@@ -91,7 +92,7 @@ def facts_sql(vl_kinds: Collection[str] | None = None) -> list[str]:
            FROM pick p JOIN tev_r t ON t.sid = p.sid AND t.o = p.dec_o
            WHERE t.outcome IS NOT NULL AND t.outcome <> 'unknown'
            UNION ALL SELECT sid, dec_verdict, dec_reason, dec_ft, starts_with(coalesce(dec_reason, ''), 'inferred'),
-             dec_ref, NULL::BIGINT[] FROM ev_facts WHERE dec_verdict <> 'unknown'""",
+             dec_ref, NULL::BIGINT[] FROM ev_facts WHERE dec_verdict <> 'unknown'"""),
         *(f"ALTER TABLE ev_facts DROP COLUMN {c}" for c in _DEC_COLUMNS),
         # ---- the proxy's request (engine_join folds its lines into px_slot; a line's place is its ref): the last
         # line is the last of its own lines, its stored handle and a "not caching" line naming no request
@@ -230,14 +231,14 @@ def _ev_facts_sql(cols: str) -> str:
            "WHEN c.c_first IS NOT NULL THEN c.{d} END")
     decs = ", ".join(dec.format(d=d) + f" AS {c}" for d, c in zip(("d_outcome", "d_reason", "d_ft", "d_ref"),
                                                                     _DEC_COLUMNS, strict=True))
-    return f"""CREATE TEMP TABLE ev_facts AS
+    return EventsOnly(f"""CREATE TEMP TABLE ev_facts AS
       WITH c AS ({c_side}), r AS ({r_side})
       SELECT coalesce(c.sid, r.sid) AS sid, true AS has_events, {paired}, NULL::BIGINT[] AS eng_os, {decs}
       FROM c FULL JOIN r ON c.sid = r.sid
       UNION ALL SELECT sid, count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events, {aggregated},
         (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os,
         NULL::VARCHAR, NULL::VARCHAR, NULL::VARCHAR, NULL::BIGINT
-      FROM tev_r GROUP BY sid"""
+      FROM tev_r GROUP BY sid""")
 
 
 def _vl_fact_specs() -> list[tuple[str, str, str, str, str]]:

@@ -31,6 +31,7 @@ from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
 from kvdiag.diagnostics.engine_facts import facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
+from kvdiag.diagnostics.engine_no_events import EventsOnly, stand_in
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
@@ -141,8 +142,9 @@ def new_run(files: list[LogFile], only: str | None = None) -> Run:
     con = connect()
     ep.create_line_tables(con)
     con.execute("CREATE TEMP TABLE files (f INTEGER, path VARCHAR, fmt VARCHAR, role VARCHAR)")
-    con.executemany("INSERT INTO files VALUES (?, ?, ?, ?)",
-                    [(f, lf.path, lf.fmt, lf.role) for f, lf in enumerate(files)])
+    if files:
+        con.executemany("INSERT INTO files VALUES (?, ?, ?, ?)",
+                        [(f, lf.path, lf.fmt, lf.role) for f, lf in enumerate(files)])
     return Run(files=files, con=con, only=only)
 
 
@@ -499,10 +501,21 @@ WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, w_refs
                          "w_prefix_caching BOOLEAN, w_recovered BOOLEAN, w_caching_ref BIGINT")
 
 
+def decide_statements(run: Run) -> list[str]:
+    """The statements that correlate the records and collect the facts (after parse)."""
+    kinds = [k for (k,) in run.con.execute("SELECT DISTINCT kind FROM vl WHERE kind IS NOT NULL").fetchall()]
+    return [*join_sql(run.only), *facts_sql(kinds), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL]
+
+
 def decide(run: Run) -> None:
     """Correlate, collect the facts and apply the rules: ``decided`` (one row per turn)."""
-    kinds = [k for (k,) in run.con.execute("SELECT DISTINCT kind FROM vl WHERE kind IS NOT NULL").fetchall()]
-    for q in (*join_sql(run.only), *facts_sql(kinds), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL):
+    no_events = not run.con.execute("SELECT EXISTS (SELECT 1 FROM ev_t)").fetchall()[0][0]
+    for q in decide_statements(run):
+        if no_events and isinstance(q, EventsOnly):
+            stood_in = stand_in(q)
+            if stood_in is None:
+                continue
+            q = stood_in
         execute(run, q)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
