@@ -14,11 +14,12 @@ to 300 characters: the 500 a record keeps of its line would be cut the same.)
 
 from __future__ import annotations
 
-from typing import Final
-
-import duckdb
+from typing import TYPE_CHECKING, Final
 
 from kvdiag.diagnostics.engine_parse import VLLM_LINE, VLLM_LINE_OK
+
+if TYPE_CHECKING:
+    import duckdb
 
 _WS: Final = "' \t\r\n\x0b\x0c'"  # what Python's str.strip() removes from a JSON line (ASCII)
 _CUT: Final = 300  # characters of a text explain prints

@@ -23,8 +23,6 @@ import re
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Final
 
-import duckdb
-
 from kvdiag.diagnostics import vllm_log_parser as vllm_log
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
@@ -41,6 +39,7 @@ from kvdiag.schema.events import (
 from kvdiag.schema.verdicts import TrimReason, Verdict
 
 if TYPE_CHECKING:
+    import duckdb
     import pyarrow as pa
 
 CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = '\\x01', quote = '', escape = '', "

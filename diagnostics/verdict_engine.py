@@ -24,8 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-import duckdb
-
+from kvdiag.diagnostics import duckdb_api
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
@@ -47,6 +46,7 @@ from kvdiag.diagnostics.scan import (
 from kvdiag.schema.errors import KVDiagError
 
 if TYPE_CHECKING:  # numpy and pyarrow are imported where used: one conversation never needs them
+    import duckdb
     import pyarrow as pa
 
 # vLLM lines the rules can read, by their message's first letters (after the header's "] "); grep keeps them
@@ -128,7 +128,7 @@ def memory_limit() -> str:
 
 def connect() -> duckdb.DuckDBPyConnection:
     """A DuckDB connection for one run (memory bounded: it spills to disk past the limit)."""
-    con = duckdb.connect(config={"preserve_insertion_order": True})
+    con = duckdb_api.connect(config={"preserve_insertion_order": True})
     con.execute(f"SET memory_limit = {ep.sql_str(memory_limit())}")
     # DuckDB would spill into ./.tmp; its own directory under the system's temp dir (DuckDB removes it on close)
     spill = os.path.join(tempfile.gettempdir(), f"kvdiag-duckdb-{os.getpid()}-{id(con):x}")
@@ -171,6 +171,7 @@ SMALL_INSERT_ROWS: Final = 20_000
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
     name = f"new_{table}"
+    duckdb_api.with_python_layer()  # (it registers Arrow tables)
     con.register(name, rows)
     try:
         con.execute(f"INSERT INTO {table} SELECT * FROM {name}")
@@ -274,7 +275,7 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
                                    f"{MAX_LINE_CHARS}").fetchall()[0][0]:
                 _split_side_lines(run, f, table)
                 return
-        except (duckdb.InvalidInputException, duckdb.ConversionException):
+        except (duckdb_api.InvalidInputException, duckdb_api.ConversionException):
             pass
         run.con.execute(f"DELETE FROM {table} WHERE f = {f}")
     numbered = _numbered(path)
@@ -330,7 +331,7 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                         if progress is not None:
                             progress(lf.size)
                         continue
-                    except (duckdb.InvalidInputException, duckdb.ConversionException):
+                    except (duckdb_api.InvalidInputException, duckdb_api.ConversionException):
                         # invalid UTF-8: Python decodes
                         run.con.execute(f"DELETE FROM {_TABLES[lf.fmt]} WHERE f = {f}")
                 add_lines(run, f, read_all_lines(lf.path, progress))
@@ -579,6 +580,7 @@ RECORD_COLUMNS: Final = (
 def decided_rows(run: Run) -> pa.Table:
     """The decided turns, in conversation order (the columns TurnRecord and the turn table read), without their
     evidence (:func:`decided_evidence`)."""
+    duckdb_api.with_python_layer()
     return run.con.sql(f"SELECT {_RECORD_SELECT} FROM decided {_ORDER}").to_arrow_table()
 
 
@@ -592,6 +594,7 @@ def decided_evidence(run: Run, turns: int) -> tuple[pa.Table, list[int], list[in
 
     # each ref's text looked up by Arrow in the texts (one row per ref): sorting the texts into the turns' order
     # in DuckDB costs several times more
+    duckdb_api.with_python_layer()
     texts = run.con.sql(_evidence_texts(run)).to_arrow_table()
     refs = run.con.sql("SELECT i, ref FROM ev_refs ORDER BY i, k").to_arrow_table()
     at = pc.index_in(refs.column("ref"), value_set=texts.column("ref")).combine_chunks()
