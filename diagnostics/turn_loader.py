@@ -401,6 +401,7 @@ def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: P
             # has nothing to share but still wakes for every statement.
             run.con.execute("PRAGMA disable_optimizer")
             run.con.execute("SET threads = 1")
+            run.few_rows = True
         with _reading():
             for f, lf in enumerate(files):
                 if lf.fmt == "unknown":

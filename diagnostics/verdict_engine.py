@@ -89,6 +89,9 @@ class Run:
     # scan needs no second pass over the logs. Files grep could not read have no entry.
     side_needles: tuple[str, ...] = ()
     side_lines: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    # a few dozen rows (one conversation's): the turn views are written as tables, which the rules (run twice
+    # when P's stats windows are read) then read without binding the views' joins each time
+    few_rows: bool = False
 
     @property
     def paths(self) -> dict[int, str]:
@@ -400,34 +403,44 @@ def parse(run: Run) -> None:
 VIEWS_SQL: Final = """CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);
 CREATE TEMP VIEW ready AS SELECT f, n, seq FROM pl WHERE kind = 'ready';
 CREATE TEMP TABLE wtext (ref BIGINT, source VARCHAR, text VARCHAR)"""
-CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS SELECT
-  EXISTS (SELECT 1 FROM files WHERE fmt = 'client_stats') OR EXISTS (SELECT 1 FROM ev WHERE source = 'client')
-    AS ctx_has_client,
-  EXISTS (SELECT 1 FROM files WHERE fmt = 'proxy') OR EXISTS (SELECT 1 FROM ev WHERE source = 'router')
-    AS ctx_has_router,
-  EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'prefill') OR EXISTS (SELECT 1 FROM ev
-    WHERE source = 'prefill') AS ctx_has_prefill,
-  EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'decode') OR EXISTS (SELECT 1 FROM ev
-    WHERE source = 'decode') AS ctx_has_decode,
-  coalesce((SELECT arg_max(attr_bidir, (f, n)) FROM ev WHERE event = 'engine_start' AND source = 'prefill'
-              AND attr_bidir IS NOT NULL),
-           CASE WHEN EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'prefill') THEN EXISTS (SELECT 1
-             FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'prefill') END) AS ctx_p_bidir,
-  coalesce((SELECT arg_max(attr_bidir, (f, n)) FROM ev WHERE event = 'engine_start' AND source = 'decode'
-              AND attr_bidir IS NOT NULL),
-           CASE WHEN EXISTS (SELECT 1 FROM froles WHERE fmt = 'vllm' AND role = 'decode') THEN EXISTS (SELECT 1
-             FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'decode') END) AS ctx_d_bidir,
-  EXISTS (SELECT 1 FROM vl_r WHERE role = 'prefill' AND level = 'DEBUG') AS ctx_p_debug,
-  (SELECT arg_max(threshold, (f, n)) FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'prefill') AS ctx_threshold,
-  coalesce((SELECT arg_max(coalesce(ttl_s, attr_ttl), (f, n)) FROM ev WHERE (event = 'kv_retained' AND ttl_s IS NOT
-              NULL) OR (event = 'engine_start' AND source = 'decode' AND attr_ttl IS NOT NULL)),
-           (SELECT arg_max(ttl_s, (f, n)) FROM vl_r WHERE kind = 'bidir_enabled' AND role = 'decode'
-              AND ttl_s IS NOT NULL)::DOUBLE) AS ctx_decode_ttl,
-  coalesce((SELECT arg_max(attr_block_size, (f, n)) FROM ev WHERE event = 'engine_start'
-              AND attr_block_size IS NOT NULL),
-           (SELECT arg_max(block_size, (f, n)) FROM vl_r WHERE kind = 'read_blocks'), {DEFAULT_BLOCK_SIZE})
-    AS ctx_block_size,
-  (SELECT arg_max(TRY_CAST(ttl AS DOUBLE), seq) FROM pl WHERE kind = 'stale') AS ctx_router_ttl"""
+# (each source read once, its facts as aggregates: a scalar subquery per fact bound and scanned the views again)
+CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS
+WITH fl AS (SELECT bool_or(fmt = 'client_stats') AS stats_file, bool_or(fmt = 'proxy') AS proxy_file FROM files),
+fr AS (SELECT bool_or(fmt = 'vllm' AND role = 'prefill') AS p_file, bool_or(fmt = 'vllm' AND role = 'decode') AS d_file
+       FROM froles),
+e AS (SELECT bool_or(source = 'client') AS client, bool_or(source = 'router') AS router,
+        bool_or(source = 'prefill') AS prefill, bool_or(source = 'decode') AS decode,
+        arg_max(attr_bidir, (f, n)) FILTER (WHERE event = 'engine_start' AND source = 'prefill'
+          AND attr_bidir IS NOT NULL) AS p_bidir,
+        arg_max(attr_bidir, (f, n)) FILTER (WHERE event = 'engine_start' AND source = 'decode'
+          AND attr_bidir IS NOT NULL) AS d_bidir,
+        arg_max(coalesce(ttl_s, attr_ttl), (f, n)) FILTER (WHERE (event = 'kv_retained' AND ttl_s IS NOT NULL)
+          OR (event = 'engine_start' AND source = 'decode' AND attr_ttl IS NOT NULL)) AS decode_ttl,
+        arg_max(attr_block_size, (f, n)) FILTER (WHERE event = 'engine_start' AND attr_block_size IS NOT NULL)
+          AS block_size
+      FROM ev),
+v AS (SELECT bool_or(kind = 'bidir_enabled' AND role = 'prefill') AS p_bidir,
+        bool_or(kind = 'bidir_enabled' AND role = 'decode') AS d_bidir,
+        bool_or(role = 'prefill' AND level = 'DEBUG') AS p_debug,
+        arg_max(threshold, (f, n)) FILTER (WHERE kind = 'bidir_enabled' AND role = 'prefill') AS threshold,
+        arg_max(ttl_s, (f, n)) FILTER (WHERE kind = 'bidir_enabled' AND role = 'decode' AND ttl_s IS NOT NULL)
+          AS decode_ttl,
+        arg_max(block_size, (f, n)) FILTER (WHERE kind = 'read_blocks') AS block_size
+      FROM vl_r),
+p AS (SELECT arg_max(TRY_CAST(ttl AS DOUBLE), seq) FILTER (WHERE kind = 'stale') AS router_ttl FROM pl)
+SELECT
+  coalesce(fl.stats_file, false) OR coalesce(e.client, false) AS ctx_has_client,
+  coalesce(fl.proxy_file, false) OR coalesce(e.router, false) AS ctx_has_router,
+  coalesce(fr.p_file, false) OR coalesce(e.prefill, false) AS ctx_has_prefill,
+  coalesce(fr.d_file, false) OR coalesce(e.decode, false) AS ctx_has_decode,
+  coalesce(e.p_bidir, CASE WHEN coalesce(fr.p_file, false) THEN coalesce(v.p_bidir, false) END) AS ctx_p_bidir,
+  coalesce(e.d_bidir, CASE WHEN coalesce(fr.d_file, false) THEN coalesce(v.d_bidir, false) END) AS ctx_d_bidir,
+  coalesce(v.p_debug, false) AS ctx_p_debug,
+  v.threshold AS ctx_threshold,
+  coalesce(e.decode_ttl, v.decode_ttl::DOUBLE) AS ctx_decode_ttl,
+  coalesce(e.block_size, v.block_size, {DEFAULT_BLOCK_SIZE}) AS ctx_block_size,
+  p.router_ttl AS ctx_router_ttl
+FROM fl, fr, e, v, p"""
 
 # What the previous turn of the conversation says, as the rules read it: prev_<name> is its <value> (of f).
 _PREV: Final = (("sid", "f.sid"), ("turn", "f.turn"), ("stored", "f.px_stored"),
@@ -502,6 +515,9 @@ WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, w_refs
                          "w_prefix_caching BOOLEAN, w_recovered BOOLEAN, w_caching_ref BIGINT")
 
 
+_TURN_VIEW: Final = re.compile(r"^CREATE TEMP VIEW (turn_facts|tf) AS\b")
+
+
 def decide_statements(run: Run) -> list[str]:
     """The statements that correlate the records and collect the facts (after parse)."""
     kinds = [k for (k,) in run.con.execute("SELECT DISTINCT kind FROM vl WHERE kind IS NOT NULL").fetchall()]
@@ -517,6 +533,8 @@ def decide(run: Run) -> None:
             if stood_in is None:
                 continue
             q = stood_in
+        if run.few_rows:
+            q = _TURN_VIEW.sub(r"CREATE TEMP TABLE \1 AS", q, count=1)
         execute(run, q)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
