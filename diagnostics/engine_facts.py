@@ -13,7 +13,7 @@ import re
 from collections.abc import Collection
 from typing import Final
 
-from kvdiag.diagnostics.engine_no_events import EventsOnly
+from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion
 from kvdiag.diagnostics.engine_parse import VLLM_COLUMNS, sql_str
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
@@ -231,14 +231,16 @@ def _ev_facts_sql(cols: str) -> str:
            "WHEN c.c_first IS NOT NULL THEN c.{d} END")
     decs = ", ".join(dec.format(d=d) + f" AS {c}" for d, c in zip(("d_outcome", "d_reason", "d_ft", "d_ref"),
                                                                     _DEC_COLUMNS, strict=True))
-    return EventsOnly(f"""CREATE TEMP TABLE ev_facts AS
-      WITH c AS ({c_side}), r AS ({r_side})
+    pairs = f"""WITH c AS ({c_side}), r AS ({r_side})
       SELECT coalesce(c.sid, r.sid) AS sid, true AS has_events, {paired}, NULL::BIGINT[] AS eng_os, {decs}
-      FROM c FULL JOIN r ON c.sid = r.sid
-      UNION ALL SELECT sid, count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events, {aggregated},
+      FROM c FULL JOIN r ON c.sid = r.sid"""
+    grouped = f"""SELECT sid, count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events, {aggregated},
         (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os,
         NULL::VARCHAR, NULL::VARCHAR, NULL::VARCHAR, NULL::BIGINT
-      FROM tev_r GROUP BY sid""")
+      FROM tev_r GROUP BY sid"""
+    # (a branch whose probe finds no row gives none: one conversation's run inserts only the others)
+    return EventsUnion("ev_facts", ((pairs, "SELECT 1 FROM ev_slot WHERE sid NOT IN (SELECT sid FROM tev_multi)"),
+                                    (grouped, "SELECT 1 FROM tev_r")))
 
 
 def _vl_fact_specs() -> list[tuple[str, str, str, str, str]]:

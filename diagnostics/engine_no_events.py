@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -22,6 +23,30 @@ class EventsOnly(str):
     """A statement that reads only tables built from turn events (and tables every run has)."""
 
     __slots__ = ()
+
+
+class EventsUnion(EventsOnly):
+    """``CREATE TEMP TABLE <table> AS`` the UNION ALL of ``branches``, each a query and a probe (a query that finds
+    a row wherever the branch could give one)."""
+
+    table: str
+    branches: tuple[tuple[str, str], ...]
+
+    def __new__(cls, table: str, branches: tuple[tuple[str, str], ...]) -> EventsUnion:
+        sql = super().__new__(cls, f"CREATE TEMP TABLE {table} AS\n" + "\nUNION ALL ".join(q for q, _ in branches))
+        sql.table, sql.branches = table, branches
+        return sql
+
+
+def branch_statements(sql: EventsUnion, finds_a_row: Callable[[str], bool]) -> list[str] | None:
+    """The table created from its generated columns, then the branches whose probe finds a row inserted (as UNION
+    ALL does, each row cast to the table's column types): on a few rows, parsing and binding the branches that
+    give none cost more than the probes. None when the table's columns were not generated."""
+    columns = EVENT_TABLE_COLUMNS.get(sql.table)
+    if columns is None:
+        return None
+    return [_create(sql.table, columns),
+            *(f"INSERT INTO {sql.table} {query}" for query, probe in sql.branches if finds_a_row(probe))]
 
 
 _CREATES: Final = re.compile(r"\s*CREATE TEMP TABLE (\w+) AS\b")
@@ -40,9 +65,11 @@ def stand_in(sql: EventsOnly) -> str | None:
     if name is None:
         return None
     columns = EVENT_TABLE_COLUMNS.get(name)
-    if columns is None:
-        return sql
-    return f"CREATE TEMP TABLE {name} ({', '.join(f'{quoted(c)} {t}' for c, t in columns)})"
+    return sql if columns is None else _create(name, columns)
+
+
+def _create(table: str, columns: tuple[tuple[str, str], ...]) -> str:
+    return f"CREATE TEMP TABLE {table} ({', '.join(f'{quoted(c)} {t}' for c, t in columns)})"
 
 
 def quoted(identifier: str) -> str:

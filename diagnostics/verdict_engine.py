@@ -30,7 +30,7 @@ from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
 from kvdiag.diagnostics.engine_facts import facts_sql
 from kvdiag.diagnostics.engine_join import join_sql
-from kvdiag.diagnostics.engine_no_events import EventsOnly, stand_in
+from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion, branch_statements, stand_in
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql
@@ -534,6 +534,13 @@ def decide(run: Run) -> None:
                 continue
             q = stood_in
         if run.few_rows:
+            if isinstance(q, EventsUnion):
+                split = branch_statements(q, lambda probe: bool(
+                    run.con.execute(f"SELECT EXISTS ({probe})").fetchall()[0][0]))
+                if split is not None:
+                    for part in split:
+                        execute(run, part)
+                    continue
             q = _TURN_VIEW.sub(r"CREATE TEMP TABLE \1 AS", q, count=1)
         execute(run, q)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")

@@ -3,6 +3,7 @@ of running their statements: the same tables, the same turns, on every fixture w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +13,7 @@ from gen_logs_support import load_gen_logs
 import kvdiag
 from kvdiag.diagnostics import engine_join, engine_no_events, verdict_engine
 from kvdiag.diagnostics.detect import detect
-from kvdiag.diagnostics.engine_no_events import EventsOnly, generate, render
+from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion, generate, render
 from kvdiag.diagnostics.event_table_columns import EVENT_TABLE_COLUMNS
 from kvdiag.diagnostics.turn_loader import run_all
 
@@ -88,3 +89,49 @@ def test_runs_with_events_run_every_statement(tmp_path: Path, monkeypatch: pytes
     table = kvdiag.load_turn_table(files)
     assert len(table) > 0 and not called
     assert isinstance(table, pd.DataFrame)
+
+
+def _event_shapes(tmp_path: Path) -> list[list[str]]:
+    import test_report_events_table as shapes
+
+    out = []
+    for shape in ("plain", "concurrent", "prefill-retried", "inferred", "unattached-engine-event"):
+        (tmp_path / shape).mkdir()
+        out.append(shapes._demo_like(tmp_path / shape, shape))
+    (tmp_path / "gen").mkdir()
+    load_gen_logs().generate(tmp_path / "gen", 100_000, seed=7, noise_per_turn=1)  # P's events for every turn
+    out.append(sorted(str(p) for p in (tmp_path / "gen").iterdir()))
+    return out
+
+
+def test_one_conversation_inserts_only_the_event_branches_that_give_rows(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """explain of one conversation (few rows) builds ev_facts from its branches that have rows: the same turns as
+    the whole union gives explain --all, and both branches are skipped somewhere."""
+    ran: list[int] = []
+    original = engine_no_events.branch_statements
+
+    def counted(sql: EventsUnion, finds_a_row: Callable[[str], bool]) -> list[str] | None:
+        split = original(sql, finds_a_row)
+        ran.append(len(split or ()) - 1)
+        return split
+
+    monkeypatch.setattr(verdict_engine, "branch_statements", counted)
+    for files in _event_shapes(tmp_path):
+        before = len(ran)
+        records = kvdiag.load_turns(files)
+        assert len(ran) == before  # (explain --all runs the union)
+        for conv in records[:12]:
+            one = kvdiag.explain_conversation(files, conv.conversation_id)
+            assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns], (files[0], conv.conversation_id)
+    assert 1 in ran, ran  # (a branch skipped)
+
+
+def test_a_probe_that_misses_rows_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a branch skipped although it has rows changes one conversation's turns."""
+    files = _event_shapes(tmp_path)[-1]
+    conv = kvdiag.load_turns(files)[0]
+    original = engine_no_events.branch_statements
+    monkeypatch.setattr(verdict_engine, "branch_statements", lambda sql, finds: original(sql, lambda probe: False))
+    one = kvdiag.explain_conversation(files, conv.conversation_id)
+    assert [t.__dict__ for t in one.turns] != [t.__dict__ for t in conv.turns]
