@@ -56,7 +56,7 @@ if not PROXY_RE.pattern.endswith(_PROXY_MSG):
 PROXY_HEAD_RE: Final = re.compile(PROXY_RE.pattern[:-len(_PROXY_MSG)])
 
 
-def _marker(regex: re.Pattern[str]) -> str:
+def longest_literal(regex: re.Pattern[str]) -> str:
     """The longest literal run of the pattern (every line of its kind contains it): a cheap test first."""
     runs = re.findall(r"(?:\\.|[^\\()\[\]?*+{}|^$.])+", regex.pattern)
     literals = [re.sub(r"\\(.)", r"\1", r) for r in runs if not re.search(r"\\[dDsSwWbB]", r)]
@@ -76,7 +76,7 @@ def _kind_test(regex: re.Pattern[str]) -> str:
     if len(word) == _WORD:
         return f"{test} AND w = {sql_str(word)}"
     test += f" AND starts_with(w, {sql_str(word)})" if word else ""
-    return f"{test} AND contains(msg, {sql_str(_marker(regex))})"
+    return f"{test} AND contains(msg, {sql_str(longest_literal(regex))})"
 
 
 def _matched(x: str, regex: re.Pattern[str]) -> str:

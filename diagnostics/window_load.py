@@ -15,13 +15,15 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
+from kvdiag.diagnostics.engine_proxy import longest_literal
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.proxy_log_parser import PROXY_RE, parse_proxy_numbered, wall_clock
+from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS, PROXY_RE, parse_proxy_numbered, wall_clock
 from kvdiag.diagnostics.scan import count_newlines, grep_ere, grep_ere_in, grep_lines, head_lines
 from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 from kvdiag.diagnostics.windows import (
     LEAD_S,
     MAX_BLOCK,
+    OFFER_KINDS,
     OPEN_READ_S,
     Ledger,
     LogIndex,
@@ -286,6 +288,11 @@ def _span_lines(path: str, spans: list[tuple[float, float]], ere: str) -> list[t
     return grep_ere_in(data, ere, first_line, name=path, rg_reads_it=True)
 
 
+# a proxy line of a kind the ledger reads holds its pattern's longest literal
+_OFFER_MARKERS: Final = tuple(sorted({longest_literal(regex).encode() for kind, regex in CLASSIFIERS
+                                      if kind in OFFER_KINDS}))
+
+
 def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[str]) -> Ledger | None:
     """One conversation: read every proxy and engine line near the reads in ``wanted`` and build the ledger."""
     ends: dict[str, float] = {}
@@ -316,9 +323,11 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
         extra.vllm.extend(parse_vllm_numbered(sorted(lines.items()), path, stats))
     for f in files:
         if f.fmt == "proxy":
-            extra.proxy.extend(r for r in parse_proxy_numbered(grep_ere(f.path, proxy_ere, rg_reads_it=True), f.path,
-                                                               stats)
-                               if (r.path, r.lineno) not in seen)
+            # (only the kinds the ledger reads are parsed: its year reference for P's stamps is then the earliest
+            # of those and of the conversation's own lines, minutes from the earliest line of any kind)
+            offers = ((n, ln) for n, ln in grep_ere(f.path, proxy_ere, rg_reads_it=True)
+                      if any(m in ln for m in _OFFER_MARKERS))
+            extra.proxy.extend(r for r in parse_proxy_numbered(offers, f.path, stats) if (r.path, r.lineno) not in seen)
     if not any(r.kind == "transfer_plan" for r in extra.vllm):  # logged at P's first read from each D
         for path in _engine_files(index):
             extra.vllm.extend(r for r in parse_vllm_numbered(grep_lines(path, [b"Transfer plan: "]), path, stats)
