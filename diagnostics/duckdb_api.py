@@ -19,9 +19,10 @@ def _core() -> ModuleType:
     try:
         core = importlib.import_module("_duckdb")
     except ImportError:
+        core = None
+    if core is None or not hasattr(core, "connect"):
         return importlib.import_module("duckdb")
-    return core if hasattr(core, "connect") and hasattr(core, "DuckDBPyConnection") else importlib.import_module(
-        "duckdb")
+    return core
 
 
 if TYPE_CHECKING:

@@ -69,11 +69,10 @@ def stand_in(sql: EventsOnly) -> str | None:
 
 
 def _create(table: str, columns: tuple[tuple[str, str], ...]) -> str:
-    return f"CREATE TEMP TABLE {table} ({', '.join(f'{quoted(c)} {t}' for c, t in columns)})"
+    return f"CREATE TEMP TABLE {table} ({', '.join(f'{_quoted(c)} {t}' for c, t in columns)})"
 
 
-def quoted(identifier: str) -> str:
-    """An SQL identifier in double quotes."""
+def _quoted(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 

@@ -396,12 +396,7 @@ def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: P
     run = prepared.take()
     try:
         if not documents and sum(map(len, kept.values())) <= FEW_LINES:
-            # On a few dozen rows DuckDB's optimizer costs more than it saves (about a third of each
-            # statement's planning); the plans stay hash joins on tables this small. One thread: a second one
-            # has nothing to share but still wakes for every statement.
-            run.con.execute("PRAGMA disable_optimizer")
-            run.con.execute("SET threads = 1")
-            run.few_rows = True
+            engine.use_few_rows(run)
         with _reading():
             for f, lf in enumerate(files):
                 if lf.fmt == "unknown":

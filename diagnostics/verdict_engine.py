@@ -89,9 +89,7 @@ class Run:
     # scan needs no second pass over the logs. Files grep could not read have no entry.
     side_needles: tuple[str, ...] = ()
     side_lines: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
-    # a few dozen rows (one conversation's): the turn views are written as tables, which the rules (run twice
-    # when P's stats windows are read) then read without binding the views' joins each time
-    few_rows: bool = False
+    few_rows: bool = False  # set by use_few_rows
 
     @property
     def paths(self) -> dict[int, str]:
@@ -515,6 +513,25 @@ WINDOW_COLUMNS: Final = ("w_found BOOLEAN, w_read BOOLEAN, w_why VARCHAR, w_refs
                          "w_prefix_caching BOOLEAN, w_recovered BOOLEAN, w_caching_ref BIGINT")
 
 
+def _finds_a_row(run: Run, query: str) -> bool:
+    return bool(run.con.execute(f"SELECT EXISTS ({query})").fetchall()[0][0])
+
+
+def _as_run(run: Run, q: str, *, no_events: bool) -> list[str]:
+    """The statements that stand for ``q`` in this run: none or an empty table for an events-only one without
+    events; with few rows, a union's branches that have rows, a turn view as a table."""
+    if no_events and isinstance(q, EventsOnly):
+        stood_in = stand_in(q)
+        return [] if stood_in is None else [stood_in]
+    if not run.few_rows:
+        return [q]
+    if isinstance(q, EventsUnion):
+        split = branch_statements(q, lambda probe: _finds_a_row(run, probe))
+        if split is not None:
+            return split
+    return [_TURN_VIEW.sub(r"CREATE TEMP TABLE \1 AS", q, count=1)]
+
+
 _TURN_VIEW: Final = re.compile(r"^CREATE TEMP VIEW (turn_facts|tf) AS\b")
 
 
@@ -524,25 +541,22 @@ def decide_statements(run: Run) -> list[str]:
     return [*join_sql(run.only), *facts_sql(kinds), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL]
 
 
+def use_few_rows(run: Run) -> None:
+    """Plan for a few dozen rows (one conversation's): DuckDB's optimizer costs more than it saves there (about a
+    third of each statement's planning; the plans stay hash joins on tables this small), a second thread has
+    nothing to share but still wakes for every statement, and the turn views are written as tables, which the
+    rules (run twice when P's stats windows are read) then read without binding the views' joins each time."""
+    run.con.execute("PRAGMA disable_optimizer")
+    run.con.execute("SET threads = 1")
+    run.few_rows = True
+
+
 def decide(run: Run) -> None:
     """Correlate, collect the facts and apply the rules: ``decided`` (one row per turn)."""
-    no_events = not run.con.execute("SELECT EXISTS (SELECT 1 FROM ev_t)").fetchall()[0][0]
+    no_events = not _finds_a_row(run, "SELECT 1 FROM ev_t")
     for q in decide_statements(run):
-        if no_events and isinstance(q, EventsOnly):
-            stood_in = stand_in(q)
-            if stood_in is None:
-                continue
-            q = stood_in
-        if run.few_rows:
-            if isinstance(q, EventsUnion):
-                split = branch_statements(q, lambda probe: bool(
-                    run.con.execute(f"SELECT EXISTS ({probe})").fetchall()[0][0]))
-                if split is not None:
-                    for part in split:
-                        execute(run, part)
-                    continue
-            q = _TURN_VIEW.sub(r"CREATE TEMP TABLE \1 AS", q, count=1)
-        execute(run, q)
+        for part in _as_run(run, q, no_events=no_events):
+            execute(run, part)
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
 

@@ -289,8 +289,8 @@ def _span_lines(path: str, spans: list[tuple[float, float]], ere: str) -> list[t
 
 
 # a proxy line of a kind the ledger reads holds its pattern's longest literal
-_OFFER_MARKERS: Final = tuple(sorted({longest_literal(regex).encode() for kind, regex in CLASSIFIERS
-                                      if kind in OFFER_KINDS}))
+_OFFER_MARKER: Final = re.compile(b"|".join(sorted({re.escape(longest_literal(regex).encode())
+                                                    for kind, regex in CLASSIFIERS if kind in OFFER_KINDS})))
 
 
 def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[str]) -> Ledger | None:
@@ -325,8 +325,7 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
         if f.fmt == "proxy":
             # (only the kinds the ledger reads are parsed: its year reference for P's stamps is then the earliest
             # of those and of the conversation's own lines, minutes from the earliest line of any kind)
-            offers = ((n, ln) for n, ln in grep_ere(f.path, proxy_ere, rg_reads_it=True)
-                      if any(m in ln for m in _OFFER_MARKERS))
+            offers = ((n, ln) for n, ln in grep_ere(f.path, proxy_ere, rg_reads_it=True) if _OFFER_MARKER.search(ln))
             extra.proxy.extend(r for r in parse_proxy_numbered(offers, f.path, stats) if (r.path, r.lineno) not in seen)
     if not any(r.kind == "transfer_plan" for r in extra.vllm):  # logged at P's first read from each D
         for path in _engine_files(index):
