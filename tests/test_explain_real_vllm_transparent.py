@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from test_explain_instrumentation_transparent import MODEL, _compare, _proxy_turn
+from vllm_harness.testbed import run_retrying_handshake
 
 from kvdiag.demo.processes import Component
 
@@ -66,16 +67,20 @@ async def _flow(p: str, d: str) -> list[dict[str, Any]]:
 def both_ways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[dict[str, Any]]]]:
     runs: dict[str, list[dict[str, Any]]] = {}
     for connector in ("nixl", "kvdiag"):
-        out = tmp_path_factory.mktemp(f"transparent-vllm-{connector}")
-        comps = [_engine(out, "prefill", connector, []),
-                 _engine(out, "decode", connector, ["--decoder-kv-blocks-ttl", f"{D_TTL_S:g}"])]
-        try:
-            for comp in comps:
-                comp.wait_ready(READY_S)
-            runs[connector] = asyncio.run(_flow(comps[0].url, comps[1].url))
-        finally:
-            for comp in comps:
-                comp.stop()
+        def run(out: Path, connector: str = connector) -> None:
+            comps = [_engine(out, "prefill", connector, []),
+                     _engine(out, "decode", connector, ["--decoder-kv-blocks-ttl", f"{D_TTL_S:g}"])]
+            try:
+                for comp in comps:
+                    comp.wait_ready(READY_S)
+                runs[connector] = asyncio.run(_flow(comps[0].url, comps[1].url))
+            finally:
+                for comp in comps:
+                    comp.stop()
+
+        # a loaded machine sometimes misses vLLM's 5 s handshake answer: that turn is then not the planned one
+        run_retrying_handshake(lambda connector=connector: tmp_path_factory.mktemp(f"transparent-vllm-{connector}"),
+                               run)
     yield runs
 
 
