@@ -121,11 +121,37 @@ def _rg_literals_ok(needles: Sequence[bytes]) -> bool:
         return False
 
 
-def _rg_fixed(path: str, needles: Sequence[bytes], progress: ProgressFn | None) -> Iterator[tuple[int, bytes]]:
+def _rg_fixed(path: str, needles: Sequence[bytes], progress: ProgressFn | None, *, mapped: bool = False
+              ) -> Iterator[tuple[int, bytes]]:
     with tempfile.NamedTemporaryFile("wb", prefix="kvdiag-needles-", suffix=".txt") as nf:
         nf.write(b"\n".join(needles) + b"\n")
         nf.flush()
+        if mapped:
+            try:  # (--mmap after --no-mmap: rg takes the last)
+                found = list(_system_grep(path, ["-F", "-f", nf.name, "--mmap"], None, exe=ripgrep()))
+            except LogReadError:
+                pass  # (rg dies of SIGBUS when a mapped file is truncated under it, as logrotate's copytruncate does)
+            else:
+                if progress is not None:
+                    progress(_size(path))
+                yield from found
+                return
         yield from _system_grep(path, ["-F", "-f", nf.name], progress, exe=ripgrep())
+
+
+def _check_exit(name: str, code: int, err: bytes) -> None:
+    """Raise LogReadError unless grep (or rg) exited with 0 or 1 ("no line matched")."""
+    if code > 1:
+        raise LogReadError(f"cannot read {name}: {err.decode(errors='replace').strip() or f'grep exit {code}'}")
+    if code < 0:  # killed by a signal: what it printed is only part of the matches
+        raise LogReadError(f"cannot read {name}: the search (grep or rg) was killed by signal {-code}")
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _grep_fixed(path: str, needles: Sequence[bytes], progress: ProgressFn | None) -> Iterator[tuple[int, bytes]]:
@@ -162,12 +188,8 @@ def _system_grep(path: str, pattern_args: list[str], progress: ProgressFn | None
             proc.kill()  # never leave grep behind
         code = proc.wait()
     if progress is not None:
-        try:
-            progress(os.path.getsize(path))
-        except OSError:
-            pass
-    if code > 1:  # 1 means "no line matched"
-        raise LogReadError(f"cannot read {path}: {err.decode(errors='replace').strip() or f'grep exit {code}'}")
+        progress(_size(path))
+    _check_exit(path, code, err)
 
 
 def grep_prefixed(path: str, prefix: bytes | Sequence[bytes], needles: Sequence[bytes],
@@ -192,7 +214,9 @@ def grep_prefixed(path: str, prefix: bytes | Sequence[bytes], needles: Sequence[
         if _rg_literals_ok(literals):
             wanted = re.compile(b"|".join(re.escape(p + n + suffix) for p in prefixes for n in needles)
                                 + b"".join(b"|" + re.escape(a) for a in also if a))
-            return (hit for hit in _rg_fixed(path, literals, progress) if wanted.search(hit[1]))
+            # (mapped: these searches run for one conversation, a few needles and few lines kept, where reading
+            # the file through rg's buffer costs more than mapping it; the resident size that adds is the page cache's)
+            return (hit for hit in _rg_fixed(path, literals, progress, mapped=True) if wanted.search(hit[1]))
     if GREP is not None and not path.endswith(".gz") and all(_SAFE_RE.fullmatch(n) for n in needles):
         alternatives = b"|".join(n.replace(b".", b"\\.") for n in needles)
         if has_pcre():
@@ -258,9 +282,7 @@ def grep_ere_in(data: bytes, ere: str, first_line: int = 1, *, name: str = "", r
         done = subprocess.run(argv, input=data, capture_output=True, env={**os.environ, "LC_ALL": "C"}, check=False)
     except OSError as exc:
         raise LogReadError(f"cannot read {name}: {exc.strerror or exc}") from None
-    if done.returncode > 1:  # 1 means "no line matched"
-        err = done.stderr.decode(errors="replace").strip()
-        raise LogReadError(f"cannot read {name}: {err or f'grep exit {done.returncode}'}")
+    _check_exit(name, done.returncode, done.stderr)
     out = []
     for raw in done.stdout.split(b"\n")[:-1]:  # (split at "\n" only: a line may hold a CR)
         num, _, line = raw.partition(b":")
@@ -295,10 +317,7 @@ def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None 
         _grep_to_file(path, ["-E", *(arg for s in (ere, *(_ere_escape(a.encode()).decode() for a in also))
                                      for arg in ("-e", s))], out)
     if progress is not None:
-        try:
-            progress(os.path.getsize(path))
-        except OSError:
-            pass
+        progress(_size(path))
 
 
 def _grep_to_file(path: str, pattern_args: list[str], out: str, *, exe: str | None = None) -> None:
@@ -309,9 +328,7 @@ def _grep_to_file(path: str, pattern_args: list[str], out: str, *, exe: str | No
                                   stderr=subprocess.PIPE, env={**os.environ, "LC_ALL": "C"}, check=False)
     except OSError as exc:
         raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if done.returncode > 1:  # 1 means "no line matched"
-        err = done.stderr.decode(errors="replace").strip()
-        raise LogReadError(f"cannot read {path}: {err or f'grep exit {done.returncode}'}")
+    _check_exit(path, done.returncode, done.stderr)
 
 
 def head_lines(path: str, keywords: Sequence[bytes], limit: int) -> Iterator[tuple[int, bytes]]:

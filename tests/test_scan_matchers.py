@@ -145,6 +145,37 @@ def test_a_grep_error_is_never_taken_for_no_lines(tmp_path: Path) -> None:
             list(scan._system_grep(missing, ["-F", "-e", "x"], None))
 
 
+def _dying_rg(tmp_path: Path, when: str) -> str:
+    """An rg that prints its first match, then dies of SIGBUS (as rg does when a file it maps is truncated
+    under it) when its arguments match the shell pattern ``when``; otherwise the real rg."""
+    real = scan.ripgrep()
+    assert real is not None, "ripgrep is not installed: run `make test-deps`"
+    script = tmp_path / "rg"
+    script.write_text(f'#!/bin/sh\ncase "$*" in {when}) "{real}" "$@" | head -n 1; kill -BUS $$;; esac\n'
+                      f'exec "{real}" "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_grep_killed_by_a_signal_is_an_error_not_fewer_lines(log: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    rg = _dying_rg(tmp_path, "*")
+    monkeypatch.setattr(scan, "ripgrep", lambda: rg)
+    with pytest.raises(LogReadError, match="killed by signal"):
+        list(scan.grep_lines(str(log), [b"c1", b"r1"]))
+
+
+def test_a_mapped_search_that_dies_is_read_again_unmapped(log: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = list(scan.grep_prefixed(str(log), (b'"', b"cmpl-"), [b"r1", b"r1.a"]))
+    assert len(expected) > 1  # (the dying rg prints one line: the test could tell a partial result)
+    rg = _dying_rg(tmp_path, "*--mmap*")
+    monkeypatch.setattr(scan, "ripgrep", lambda: rg)
+    sizes: list[int] = []
+    got = list(scan.grep_prefixed(str(log), (b'"', b"cmpl-"), [b"r1", b"r1.a"], sizes.append))
+    assert got == expected and sizes == [log.stat().st_size]  # progress counts the file once
+
+
 def test_one_conversation_with_many_request_ids_keeps_every_line(tmp_path: Path) -> None:
     # 1,500 ids make a pattern PCRE refuses ("regular expression is too large"): the POSIX matcher must then
     # find every line, every time (the lost exit status used to return no line at all)
