@@ -32,7 +32,8 @@ def output_console(width: int | None, wide: bool) -> Console:
     """stdout's console: ``--width``, else the terminal's; piped, COLUMNS or a page wide enough for the view."""
     if width is None and not sys.stdout.isatty():
         width = int(os.environ["COLUMNS"]) if os.environ.get("COLUMNS", "").isdigit() else (200 if wide else 120)
-    return Console(width=width) if width else Console()
+    # (no ":name:" emoji codes: nothing kvdiag prints means one, and their table costs a one-conversation run 3 ms)
+    return Console(width=width, emoji=False) if width else Console(emoji=False)
 
 
 def _progress_fn(console: Console, enabled: bool) -> tuple[Any, Any]:

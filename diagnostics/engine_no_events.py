@@ -9,7 +9,6 @@ those statements cost DuckDB about a sixth of the whole explain.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections.abc import Callable
@@ -110,6 +109,8 @@ def render(columns: dict[str, tuple[tuple[str, str], ...]]) -> str:
 
 
 def main() -> None:
+    import argparse  # noqa: PLC0415 - (the engine imports this module on every run; only the generator parses options)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the module to write")
     args = parser.parse_args()

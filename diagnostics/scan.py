@@ -91,9 +91,7 @@ def _find_ripgrep() -> str | None:
     else ``rg`` on PATH; None when there is none that runs (or KVDIAG_SCANNER=grep)."""
     if _NO_RG:
         return None
-    candidates = [os.path.join(d, "rg") for d in dict.fromkeys((os.path.dirname(sys.executable),
-                                                               sysconfig.get_path("scripts")))]
-    for path in [*candidates, shutil.which("rg")]:
+    for path in _ripgrep_candidates():
         if not path or not os.access(path, os.X_OK):
             continue
         try:
@@ -103,6 +101,17 @@ def _find_ripgrep() -> str | None:
         if done.returncode == 0 and done.stdout.startswith(b"ripgrep "):
             return path
     return None
+
+
+def _ripgrep_candidates() -> Iterator[str | None]:
+    # (in the order looked at, each only when the one before does not run: the scheme's scripts folder costs
+    # sysconfig's data, 10 ms of a one-conversation run, and is nearly always the interpreter's own folder)
+    beside = os.path.join(os.path.dirname(sys.executable), "rg")
+    yield beside
+    scripts = os.path.join(sysconfig.get_path("scripts"), "rg")
+    if scripts != beside:
+        yield scripts
+    yield shutil.which("rg")
 
 
 # rg's options for grep's behaviour: no configuration file (its case or other flags), every byte searched

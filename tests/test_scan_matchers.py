@@ -235,3 +235,24 @@ def test_the_stats_windows_searches_keep_the_same_lines_with_rg_grep_and_python(
         assert rg == grep == python
         assert 0 < len(rg) < len(lines) // 2  # the search keeps some lines and leaves most
         assert any(b"\xff" in ln for _, ln in rg)  # (a line with a byte that is no UTF-8 is among them)
+
+
+def _fake_rg(folder: Path) -> str:
+    folder.mkdir()
+    rg = folder / "rg"
+    rg.write_text("#!/bin/sh\necho 'ripgrep 99.0.0'\n")
+    rg.chmod(0o755)
+    return str(rg)
+
+
+def test_rg_beside_the_interpreter_comes_first_then_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    find = scan._find_ripgrep.__wrapped__  # (uncached)
+    on_path = _fake_rg(tmp_path / "path")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'path'}:/usr/bin:/bin")
+    monkeypatch.setattr(scan.sysconfig, "get_path", lambda name: str(tmp_path / "scripts"))
+    monkeypatch.setattr(scan.sys, "executable", str(tmp_path / "venv" / "python"))
+    assert find() == on_path  # nothing beside the interpreter nor in the scheme's scripts folder
+    scripts = _fake_rg(tmp_path / "scripts")
+    assert find() == scripts
+    beside = _fake_rg(tmp_path / "venv")
+    assert find() == beside
