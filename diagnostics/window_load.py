@@ -11,7 +11,7 @@ import contextlib
 import mmap
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
@@ -19,7 +19,7 @@ from kvdiag.diagnostics.engine_proxy import longest_literal
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS, PROXY_RE, parse_proxy_numbered, wall_clock
 from kvdiag.diagnostics.scan import count_newlines, grep_ere, grep_ere_in, grep_lines, head_lines
-from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
+from kvdiag.diagnostics.vllm_log_parser import VllmRecord, parse_vllm_numbered
 from kvdiag.diagnostics.windows import (
     LEAD_S,
     MAX_BLOCK,
@@ -257,10 +257,13 @@ def _bracket(mm: mmap.mmap | bytes, target: float, wall: Callable[[bytes], float
 SPAN_SLACK_S: Final = 60.0
 
 
-def _span_lines(path: str, spans: list[tuple[float, float]], ere: str) -> list[tuple[int, bytes]]:
+def _span_lines(path: str, spans: list[tuple[float, float]], ere: str, known: Sequence[VllmRecord] = ()
+                ) -> list[tuple[int, bytes]]:
     """The lines of P's log that ``ere`` (a search stamped in the spans) matches, numbered as grep numbers them:
     the log is written in time order, so only the bytes that can hold the spans' stamps (bisected, with
-    SPAN_SLACK_S and the stamps' 10-second buckets around them) are searched, not the whole file."""
+    SPAN_SLACK_S and the stamps' 10-second buckets around them) are searched, not the whole file. ``known``:
+    records of this file already numbered by a whole-file search; one found in those bytes numbers them without
+    counting the lines before them."""
     if path.endswith(".gz"):
         return list(grep_ere(path, ere, rg_reads_it=True))
     first, last = min(lo for lo, _ in spans) - 10 - SPAN_SLACK_S, max(hi for _, hi in spans) + 10 + SPAN_SLACK_S
@@ -284,8 +287,39 @@ def _span_lines(path: str, spans: list[tuple[float, float]], ere: str) -> list[t
             if t is not None and t > last:
                 end = mm.rfind(b"\n", 0, m.start()) + 1
                 break
-        data, first_line = mm[start:end], count_newlines(mm, 0, start) + 1
-    return grep_ere_in(data, ere, first_line, name=path, rg_reads_it=True)
+        data = mm[start:end]
+        before = _lines_before(data, known)
+        if before is None:
+            before = count_newlines(mm, 0, start)
+    return grep_ere_in(data, ere, before + 1, name=path, rg_reads_it=True)
+
+
+def _lines_before(data: bytes, known: Sequence[VllmRecord]) -> int | None:
+    """How many lines of the file come before ``data`` (bytes from a line's start), read off a record of
+    ``known`` (numbered by a whole-file search) whose line ``data`` holds: its stamp and whole first line, found
+    once in ``data`` and on no other record. None when there is none: the caller counts the lines instead (on a
+    busy P that is hundreds of megabytes, the larger part of a conversation's look at its stats windows)."""
+    seen: dict[bytes, list[VllmRecord]] = {}
+    for r in known:
+        head = r.msg.split("\n", 1)[0].encode("utf-8", errors="surrogateescape")
+        if len(head) >= _ANCHOR_MIN and not r.msg.startswith(" "):
+            seen.setdefault(r.ts.encode() + b"\0" + head, []).append(r)
+    for key, records in seen.items():
+        stamp, _, head = key.partition(b"\0")
+        if len(records) != 1:
+            continue  # (two records, one text: either may be the line found)
+        at = data.find(head)
+        if at < 0 or data.find(head, at + 1) >= 0:
+            continue
+        begin = data.rfind(b"\n", 0, at) + 1
+        end = data.find(b"\n", at)
+        line = data[begin:end if end >= 0 else len(data)].rstrip(b"\r")
+        if line.endswith(head) and stamp in line[:len(line) - len(head)]:
+            return records[0].lineno - 1 - data.count(b"\n", 0, begin)
+    return None
+
+
+_ANCHOR_MIN: Final = 24  # bytes of a record's first line that make it its own (a request id is 32 or more)
 
 
 # a proxy line of a kind the ledger reads holds its pattern's longest literal
@@ -317,7 +351,8 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
         return None
     p_lines: dict[str, dict[int, bytes]] = {}
     for path in _engine_files(index):
-        p_lines[path] = dict(ln for ln in _span_lines(path, spans, vllm_ere) if _SPAN_KEEP.search(ln[1]))
+        numbered = [r for r in index.vllm if r.path == path]
+        p_lines[path] = dict(ln for ln in _span_lines(path, spans, vllm_ere, numbered) if _SPAN_KEEP.search(ln[1]))
     for path, lines in p_lines.items():
         lines.update(head_lines(path, (b"Transfer plan: ", b"with config: "), HEAD_LIMIT))
         extra.vllm.extend(parse_vllm_numbered(sorted(lines.items()), path, stats))

@@ -9,6 +9,7 @@ reference proxy's lines and the benchmark's RequestStats around them. P runs wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -448,6 +449,51 @@ def test_the_spans_read_by_bisection_are_the_lines_a_whole_search_finds(tmp_path
         _proxy_ere, vllm_ere = span_patterns(spans)
         whole = list(grep_ere(str(path), vllm_ere, rg_reads_it=True))
         assert _span_lines(str(path), spans, vllm_ere) == whole
+
+
+def _spans_and_known(rng: random.Random, t0: float, path: Path) -> tuple[list[tuple[float, float]], str, list[Any]]:
+    """Spans as a conversation's reads give them, and a few of its own P lines in them, numbered by a whole
+    search (as the conversation's search of P's log numbers them)."""
+    from kvdiag.diagnostics.linestats import LineStats
+    from kvdiag.diagnostics.scan import grep_ere
+    from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
+    from kvdiag.diagnostics.window_load import span_patterns
+
+    a = t0 + rng.uniform(0, 8000)
+    spans = sorted([(a, a + rng.uniform(0, 400)), (a + 900, a + 950)][:rng.randint(1, 2)])
+    vllm_ere = span_patterns(spans)[1]
+    own = [ln for ln in grep_ere(str(path), vllm_ere, rg_reads_it=True) if b"chatcmpl-" in ln[1]]
+    return spans, vllm_ere, list(parse_vllm_numbered(rng.sample(own, min(3, len(own))), str(path), LineStats()))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_spans_numbered_off_the_conversation_s_own_lines_are_numbered_as_a_whole_search(
+        tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bisected bytes are numbered off one of the conversation's own lines found in them, not by counting
+    every line before them: the same numbers as searching the whole file."""
+    from kvdiag.diagnostics import window_load
+    from kvdiag.diagnostics.scan import grep_ere
+
+    counted: list[int] = []
+    count = window_load.count_newlines
+    monkeypatch.setattr(window_load, "count_newlines", lambda mm, a, b: counted.append(b - a) or count(mm, a, b))
+    rng = random.Random(seed)
+    t0 = 1_798_700_000.0 + seed * 1000
+    path = tmp_path / "prefill.log"
+    path.write_bytes(_p_log(rng, t0, 20_000, disorder=5.0))
+    for _ in range(4):
+        spans, vllm_ere, known = _spans_and_known(rng, t0, path)
+        whole = list(grep_ere(str(path), vllm_ere, rg_reads_it=True))
+        assert known and window_load._span_lines(str(path), spans, vllm_ere, known) == whole
+    assert counted == []  # (every time, a line of the conversation's numbered the bytes)
+    # negative control: a record numbered one line off numbers every line one off (the test sees the anchor)
+    spans, vllm_ere, known = _spans_and_known(rng, t0, path)
+    off = [dataclasses.replace(known[0], lineno=known[0].lineno + 1)]
+    whole = list(grep_ere(str(path), vllm_ere, rg_reads_it=True))
+    assert window_load._span_lines(str(path), spans, vllm_ere, off) == [(n + 1, ln) for n, ln in whole]
+    # two records with one stamp and text cannot tell which line is which: the lines before are counted
+    twin = [known[0], dataclasses.replace(known[0], lineno=known[0].lineno + 7)]
+    assert window_load._span_lines(str(path), spans, vllm_ere, twin) == whole and counted
 
 
 def test_lines_later_than_the_slack_are_what_bisection_can_miss(tmp_path: Path) -> None:
