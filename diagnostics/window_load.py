@@ -299,13 +299,12 @@ def _lines_before(data: bytes, known: Sequence[VllmRecord]) -> int | None:
     ``known`` (numbered by a whole-file search) whose line ``data`` holds: its stamp and whole first line, found
     once in ``data`` and on no other record. None when there is none: the caller counts the lines instead (on a
     busy P that is hundreds of megabytes, the larger part of a conversation's look at its stats windows)."""
-    seen: dict[bytes, list[VllmRecord]] = {}
+    by_text: dict[tuple[bytes, bytes], list[VllmRecord]] = {}
     for r in known:
         head = r.msg.split("\n", 1)[0].encode("utf-8", errors="surrogateescape")
-        if len(head) >= _ANCHOR_MIN and not r.msg.startswith(" "):
-            seen.setdefault(r.ts.encode() + b"\0" + head, []).append(r)
-    for key, records in seen.items():
-        stamp, _, head = key.partition(b"\0")
+        if len(head) >= _ANCHOR_MIN:
+            by_text.setdefault((r.ts.encode(), head), []).append(r)
+    for (stamp, head), records in by_text.items():
         if len(records) != 1:
             continue  # (two records, one text: either may be the line found)
         at = data.find(head)

@@ -8,7 +8,6 @@ instrumented connector's report. A D started without bidirectional transfer is n
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness.testbed import real_vllm_testbed, run_retrying_handshake
+from vllm_harness.testbed import attempt_dirs, real_vllm_testbed, run_retrying_handshake
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -42,19 +41,13 @@ def _checked(tmp_path: Path, d_flags: list[str], ok: Callable[[int, dict[str, An
     """Run the check against a fresh testbed; once more in a new folder when ``ok`` fails on a run whose vLLM
     logged its own NIXL handshake timeout (a loaded machine, before any kvdiag code runs)."""
     got: list[tuple[int, dict[str, Any]]] = []
-    attempts = itertools.count(1)
 
     def run(tmp: Path) -> None:
         with real_vllm_testbed(tmp, d_flags=d_flags) as bed:
             got.append(_check(bed))
         assert ok(*got[-1]), json.dumps(got[-1][1]["checks"], indent=1)
 
-    def new_dir() -> Path:
-        path = tmp_path / f"attempt-{next(attempts)}"
-        path.mkdir()
-        return path
-
-    run_retrying_handshake(new_dir, run)
+    run_retrying_handshake(attempt_dirs(tmp_path), run)
     return got[-1]
 
 

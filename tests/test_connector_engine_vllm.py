@@ -10,7 +10,6 @@ bytes and milliseconds P's connector reported.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from vllm_harness.testbed import real_vllm_testbed, run_retrying_handshake
+from vllm_harness.testbed import attempt_dirs, real_vllm_testbed, run_retrying_handshake
 
 from kvdiag.schema.events import TurnEvent, read_events
 from kvdiag.sim.tokenizer import generate_text
@@ -35,19 +34,12 @@ BLOCK_BYTES = 2 * 98_304       # one block, both layers of the OPT-shaped CPU mo
 def _on_testbed(tmp_path: Path, scenario: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
     """Run ``scenario`` (its checks included) against a fresh testbed; once more in a new folder when vLLM logged
     its own NIXL handshake timeout (a loaded machine, before any kvdiag code runs)."""
-    attempts = itertools.count(1)
-
-    def new_dir() -> Path:
-        path = tmp_path / f"attempt-{next(attempts)}"
-        path.mkdir()
-        return path
-
     def run(tmp: Path) -> None:
         with real_vllm_testbed(tmp) as bed:
             asyncio.run(scenario({"dir": tmp, "router": bed.router.url, "p": bed.prefill.ready,
                                   "d": bed.decode.ready}))
 
-    run_retrying_handshake(new_dir, run)
+    run_retrying_handshake(attempt_dirs(tmp_path), run)
 
 
 async def _turn(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]) -> str:

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
-import itertools
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vllm_harness.testbed import HANDSHAKE_FAILED, handshake_failed, run_retrying_handshake
+from vllm_harness.testbed import HANDSHAKE_FAILED, attempt_dirs, handshake_failed, run_retrying_handshake
 
 # a line as vLLM's NIXL worker writes it when the peer's side channel misses its 5 s answer
 TIMED_OUT = ("ERROR 12-01 20:28:26 [base_worker.py:1375] NIXL transfer failure: handshake_setup_failed | "
              "Context: {'failure_type': 'handshake_setup_failed', 'request_id': None, 'engine_id': 'e0'}\n"
              "Traceback (most recent call last):\nzmq.error.Again: Resource temporarily unavailable\n")
-
-
-def _dirs(tmp_path: Path) -> Callable[[], Path]:
-    counter = itertools.count()
-
-    def new_dir() -> Path:
-        d = tmp_path / f"attempt{next(counter)}"
-        d.mkdir()
-        return d
-    return new_dir
 
 
 def test_the_failure_type_is_the_one_installed_vllm_logs() -> None:
@@ -44,7 +32,7 @@ def test_a_handshake_timeout_is_run_again_in_a_fresh_directory(tmp_path: Path) -
             raise AssertionError({"ok": 2, "error": 1})
         (d / "decode.log").write_text("INFO started\n")
 
-    got = run_retrying_handshake(_dirs(tmp_path), run)
+    got = run_retrying_handshake(attempt_dirs(tmp_path), run)
     assert got == seen[1] != seen[0]
     assert handshake_failed(seen[0]) and not handshake_failed(got)
 
@@ -58,7 +46,7 @@ def test_any_other_failure_is_not_retried(tmp_path: Path) -> None:
         raise AssertionError({"ok": 2, "error": 1})
 
     with pytest.raises(AssertionError):
-        run_retrying_handshake(_dirs(tmp_path), run)
+        run_retrying_handshake(attempt_dirs(tmp_path), run)
     assert len(calls) == 1
 
 
@@ -71,13 +59,13 @@ def test_the_last_attempt_failure_propagates(tmp_path: Path) -> None:
         raise AssertionError("still failing")
 
     with pytest.raises(AssertionError, match="still failing"):
-        run_retrying_handshake(_dirs(tmp_path), run, attempts=2)
+        run_retrying_handshake(attempt_dirs(tmp_path), run, attempts=2)
     assert len(calls) == 2
 
 
 def test_a_first_success_runs_once(tmp_path: Path) -> None:
     calls = []
-    got = run_retrying_handshake(_dirs(tmp_path), calls.append)
+    got = run_retrying_handshake(attempt_dirs(tmp_path), calls.append)
     assert calls == [got]
 
 
@@ -90,7 +78,7 @@ def test_a_run_that_came_back_despite_a_timeout_is_run_again(tmp_path: Path) -> 
         seen.append(d)
         (d / "prefill.log").write_text("INFO started\n" + (TIMED_OUT if len(seen) == 1 else ""))
 
-    got = run_retrying_handshake(_dirs(tmp_path), run)
+    got = run_retrying_handshake(attempt_dirs(tmp_path), run)
     assert got == seen[1] != seen[0] and not handshake_failed(got)
 
 
@@ -101,5 +89,5 @@ def test_the_last_attempt_is_returned_for_the_test_to_judge(tmp_path: Path) -> N
         seen.append(d)
         (d / "decode.log").write_text(TIMED_OUT)
 
-    got = run_retrying_handshake(_dirs(tmp_path), run, attempts=3)
+    got = run_retrying_handshake(attempt_dirs(tmp_path), run, attempts=3)
     assert len(seen) == 3 and got == seen[-1] and handshake_failed(got)

@@ -6,6 +6,7 @@ its own process group, announces itself through its ready file and is stopped gr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,6 +78,17 @@ def handshake_failed(tmp: Path) -> bool:
         if log.exists() and HANDSHAKE_FAILED in log.read_text(errors="replace"):
             return True
     return False
+
+
+def attempt_dirs(parent: Path) -> Callable[[], Path]:
+    """New empty folders ``parent/attempt-1``, ``attempt-2``, ...: one per call (for run_retrying_handshake)."""
+    count = itertools.count(1)
+
+    def new_dir() -> Path:
+        path = parent / f"attempt-{next(count)}"
+        path.mkdir()
+        return path
+    return new_dir
 
 
 def run_retrying_handshake(new_dir: Callable[[], Path], run: Callable[[Path], None],
