@@ -6,7 +6,10 @@ engine or the router never pays for pandas or the dashboards SDK.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+from collections.abc import Iterator
 
 import click
 
@@ -37,11 +40,32 @@ class LazyGroup(click.Group):
         command = super().get_command(ctx, cmd_name)
         if command is not None or cmd_name not in LAZY_COMMANDS:
             return command
-        module = importlib.import_module(f"kvdiag.cli.{LAZY_COMMANDS[cmd_name]}")
+        with single_thread_blas():
+            module = importlib.import_module(f"kvdiag.cli.{LAZY_COMMANDS[cmd_name]}")
         for candidate in getattr(module, "COMMANDS", ()):
             if candidate.name == cmd_name:
                 return candidate  # type: ignore[no-any-return]
         return None
+
+
+BLAS_THREADS_VAR = "OPENBLAS_NUM_THREADS"
+
+
+@contextlib.contextmanager
+def single_thread_blas() -> Iterator[None]:
+    """While a command's module is imported, numpy's OpenBLAS (read once, when numpy loads) is told to use
+    one thread, unless the user chose a number; the variable is restored afterwards, so the processes a
+    command starts (vLLM, the router) inherit the environment as it was."""
+    # OpenBLAS starts a thread per core as numpy loads (70 ms of CPU on 2 cores, more on big hosts); nothing
+    # in kvdiag does linear algebra.
+    if BLAS_THREADS_VAR in os.environ:
+        yield
+        return
+    os.environ[BLAS_THREADS_VAR] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(BLAS_THREADS_VAR, None)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

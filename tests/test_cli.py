@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -34,6 +35,38 @@ def test_cli_import_does_not_pull_heavy_dependencies() -> None:
     code = f"import sys, kvdiag.cli.main; print(','.join(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+_BLAS_PROBE = """
+import os, sys, click
+from kvdiag.cli.main import cli
+before = os.environ.get("OPENBLAS_NUM_THREADS")
+cli.get_command(click.Context(cli), "report")
+assert "numpy" in sys.modules, "report no longer loads numpy: this probe measures nothing"
+# OpenBLAS's workers carry the process's name (pyarrow's jemalloc thread has its own)
+names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+print(names.count(open("/proc/self/comm").read()), os.environ.get("OPENBLAS_NUM_THREADS") == before)
+"""
+
+
+def _blas_probe(env_value: str | None) -> tuple[int, bool]:
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if env_value is not None:
+        env["OPENBLAS_NUM_THREADS"] = env_value
+    out = subprocess.run([sys.executable, "-c", _BLAS_PROBE], capture_output=True, text=True, check=True,
+                         env=env).stdout.split()
+    return int(out[0]), out[1] == "True"
+
+
+def test_command_import_starts_no_blas_threads_and_restores_the_environment() -> None:
+    threads, restored = _blas_probe(None)
+    assert threads == 1, f"{threads} threads after loading report: numpy's OpenBLAS started its pool"
+    assert restored, "OPENBLAS_NUM_THREADS leaked into the environment the command's children inherit"
+    # a user's own setting is kept; and on two or more cores it shows the probe can see OpenBLAS's pool
+    threads, restored = _blas_probe("2")
+    assert restored
+    if (os.cpu_count() or 1) >= 2:
+        assert threads > 1, "the probe cannot see OpenBLAS's threads: the check above proves nothing"
 
 
 def test_cli_reference_doc_is_current() -> None:
