@@ -54,7 +54,8 @@ def load_table(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progre
                 click.echo(f"note: skipped {staged.stats.corrupt} line(s) in no container log format{first}",
                            err=True)
             with progress_bar(not no_progress and sys.stderr.isatty()) as update:
-                df = load_turn_table(staged, cache_dir=cache, progress=update, events_only=events_only)
+                df = load_turn_table(staged, cache_dir=cache, progress=update, events_only=events_only,
+                                     config_lines=True)
             return df, scan_config_cached(staged, cache)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None

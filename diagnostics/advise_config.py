@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -131,14 +131,19 @@ def _effect(line: str, role: Role) -> Effect | None:
     return None
 
 
-def line_effects(numbered: Iterable[tuple[int, str]], role: Role) -> list[tuple[int, Effect]]:
+def line_effects(numbered: Iterable[tuple[int, str]], role: Role, present: Collection[str] | None = None
+                 ) -> list[tuple[int, Effect]]:
     """(line number, effect) of the marker lines of one file that can still set a value: the first of each
     kind. A later line of a kind seen in the file only sets values that first one set (values are never
     overwritten), so dropping it changes nothing; only a startup line with the TTL after one without can
-    add a value. A line whose every marker's kind was seen is not parsed at all."""
+    add a value. A line whose every marker's kind was seen is not parsed at all. ``present``: the MARKERS
+    the file holds, when known; once each one's kind is seen, no further line is read."""
     seen: set[object] = set()
     out: list[tuple[int, Effect]] = []
+    pending = None if present is None else {kind for marker, kind in _MARKER_KINDS if marker in present}
     for lineno, line in numbered:
+        if pending is not None and pending <= seen:
+            break
         if all(kind in seen for marker, kind in _MARKER_KINDS if marker in line):
             continue  # (a line without a marker too: it says nothing)
         e = _effect(line, role)
@@ -175,8 +180,9 @@ def _apply(cfg: DeploymentConfig, e: Effect, role: Role, where: str) -> None:
         _set(cfg, "router_ttl", e[1], where)
 
 
-# The marker lines' effects of vLLM logs the verdict engine just read (its grep keeps the marker lines
-# too), by (path, size, mtime): scan_config takes them once instead of reading those logs again.
+# The marker lines' effects of vLLM and proxy logs the verdict engine just read (its grep keeps the vLLM logs'
+# marker lines too; it reads the proxy log whole), by (path, size, mtime): scan_config takes them once instead
+# of reading those logs again.
 _ENGINE_EFFECTS: dict[tuple[str, int, int], list[tuple[int, Effect]]] = {}
 _ENGINE_EFFECTS_MAX: Final = 64
 
@@ -189,14 +195,16 @@ def _identity(path: str) -> tuple[str, int, int] | None:
     return (path, st.st_size, st.st_mtime_ns)
 
 
-def remember_marker_lines(path: str, numbered: Iterable[tuple[int, str]]) -> None:
-    """Record a vLLM log's marker lines (every line containing one of MARKERS, numbered as grep numbers
-    them, decoded with replacement characters, line end removed) for the next scan_config of that file."""
+def remember_marker_lines(path: str, numbered: Iterable[tuple[int, str]], present: Collection[str] | None = None
+                          ) -> None:
+    """Record a vLLM or proxy log's marker lines (every line containing one of MARKERS, in order, numbered as
+    grep numbers them, decoded with replacement characters, line end removed; ``present``: the markers among
+    them, when known, so reading stops early) for the next scan_config of that file."""
     key = _identity(path)
     if key is None:
         return
     _ENGINE_EFFECTS.pop(key, None)
-    _ENGINE_EFFECTS[key] = line_effects(numbered, guess_role(Path(path)))
+    _ENGINE_EFFECTS[key] = line_effects(numbered, guess_role(Path(path)), present)
     while len(_ENGINE_EFFECTS) > _ENGINE_EFFECTS_MAX:
         del _ENGINE_EFFECTS[next(iter(_ENGINE_EFFECTS))]
 
@@ -230,7 +238,7 @@ def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
         if f.fmt == "events":
             _scan_events(cfg, path, role)
         elif f.fmt in ("vllm", "proxy", "unknown"):
-            key = _identity(f.path) if f.fmt == "vllm" else None
+            key = _identity(f.path) if f.fmt in ("vllm", "proxy") else None
             effects = _ENGINE_EFFECTS.pop(key, None) if key is not None else None
             if effects is None:
                 effects = line_effects(_lines(path, MARKERS), role)

@@ -369,7 +369,7 @@ def build_report(df: pd.DataFrame, decoder_ttl_s: float | None = None) -> Report
 
 def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Path | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    events_only: bool = False) -> pd.DataFrame:
+                    events_only: bool = False, config_lines: bool = False) -> pd.DataFrame:
     """Parse and correlate ``paths`` (files, globs, folders, .gz, container log wrappers, ``s3://`` URLs;
     or inputs already staged by kvdiag.diagnostics.sources) into the turn table, through the Parquet
     cache when ``cache_dir`` is set: the verdict engine's table, the same verdicts explain gives. Raises
@@ -377,16 +377,18 @@ def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Pa
 
     ``events_only``: use only the event files among the inputs (faster; but turns only stock logs show
     are lost, and the fields and reasons stock lines add to the other turns are missing).
+    ``config_lines``: the logs' configuration lines are kept, as they are read, for the next
+    kvdiag.diagnostics.advise_config.scan_config of the same files (which then reads them no second time).
     ``s3://`` objects are mirrored under ``cache_dir/s3`` (reused while their ETag holds)."""
     if isinstance(paths, StagedInputs):
-        return _load_staged(paths, cache_dir, progress, events_only)
+        return _load_staged(paths, cache_dir, progress, events_only, config_lines)
     mirror_dir = cache_dir / "s3" if cache_dir is not None else None
     with stage_inputs([str(p) for p in paths], mirror_dir=mirror_dir) as staged:
-        return _load_staged(staged, cache_dir, progress, events_only)
+        return _load_staged(staged, cache_dir, progress, events_only, config_lines)
 
 
 def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callable[[int, int], None] | None,
-                 events_only: bool) -> pd.DataFrame:
+                 events_only: bool, config_lines: bool) -> pd.DataFrame:
     # The cache is keyed by the inputs as given (a wrapped log's own path, size and mtime; an object's
     # mirrored copy), so a hit needs no unwrapping; the files read are the staged ones.
     key = list(staged.identity)
@@ -402,7 +404,7 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
             return normalize_table(cached)
     if not events_only:
         files = staged.paths  # wrapped inputs are unwrapped here, on a miss only
-    df = engine_table(files, progress)
+    df = engine_table(files, progress, config_lines=config_lines)
     if staged.renamed and len(df):
         df["reason"] = [staged.display(r) for r in df["reason"]]
     if cache_dir is not None:
@@ -415,13 +417,15 @@ _ENGINE_RAW: Final = ", ".join(
     else "start_ts + latency_ms / 1000.0 AS end_ts" if c == "end_ts" else c for c in RAW_COLUMNS)
 
 
-def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
-    """The turn table of ``files`` (local, bare) from the verdict engine (the rules explain applies)."""
+def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | None = None, *,
+                 config_lines: bool = False) -> pd.DataFrame:
+    """The turn table of ``files`` (local, bare) from the verdict engine (the rules explain applies);
+    ``config_lines`` as for load_turn_table."""
     try:
         detected = detect(files)
     except LogReadError as exc:
         raise UnreadableLogError(str(exc)) from None
-    run = run_all(detected, progress, evidence=False)
+    run = run_all(detected, progress, evidence=False, config_lines=config_lines)
     try:
         return _engine_run_table(run)
     finally:

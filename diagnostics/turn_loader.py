@@ -127,11 +127,11 @@ def _reading() -> Iterator[None]:
 
 
 def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows: bool = True,
-            evidence: bool = True, config_lines: bool = True) -> engine.Run:
+            evidence: bool = True, config_lines: bool = False) -> engine.Run:
     """Every input through the engine, P's stats windows read where a turn waits for them (the caller
     closes ``run.con``); without ``evidence`` no turn keeps its evidence refs (the turn table reads none).
-    With ``config_lines`` the vLLM logs' configuration lines are kept for advise_config.scan_config (report
-    and advise read both), found by the same grep."""
+    With ``config_lines`` the vLLM and proxy logs' configuration lines are kept for advise_config.scan_config
+    (report and advise read both), found by the same grep and read."""
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
     from kvdiag.diagnostics.advise_config import MARKERS, remember_marker_lines  # noqa: PLC0415
     from kvdiag.diagnostics.engine_windows import decide_windows  # noqa: PLC0415
@@ -144,6 +144,8 @@ def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows
         engine.load_files(run, _Progress(sum(f.size for f in files), progress, 1))
         for f, lines in run.side_lines.items():
             remember_marker_lines(files[f].path, lines)
+        for f, (_table, held) in run.side_tables.items():
+            remember_marker_lines(files[f].path, engine.marker_lines(run, f), held)
         engine.parse(run)
         engine.decide(run)
         wanted = engine.wanted_windows(run) if windows else []
@@ -162,7 +164,7 @@ def load_turns(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None 
     with staged_inputs(paths) as staged:
         inner = LineStats()
         files = _detect(staged.paths, inner)
-        run = run_all(files, progress, config_lines=False)
+        run = run_all(files, progress)
         try:
             inner.merge(run.stats)
             convs = records(run)

@@ -65,7 +65,6 @@ VLLM_PREFILTER_PCRE: Final = ("\\](?:\x1b\\[[0-9;]*m)* (?:" + "|".join(re.escape
 VLLM_PREFILTER_RUST: Final = ("\\](?:\\x1b\\[[0-9;]*m)* (?:" + "|".join(rust_escape(s) for s in VLLM_MESSAGE_STARTS)
                               + ")")
 _PREFILTER_BYTES: Final = re.compile(VLLM_PREFILTER.encode())
-_PREFILTER_TEXT: Final = re.compile(VLLM_PREFILTER)
 _JSON_FORMATS: Final = ("events", "client_stats")
 _TABLES: Final = {"events": "lines_json", "client_stats": "lines_json", "proxy": "lines_proxy", "vllm": "lines_vllm"}
 
@@ -89,6 +88,9 @@ class Run:
     # scan needs no second pass over the logs. Files grep could not read have no entry.
     side_needles: tuple[str, ...] = ()
     side_lines: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    # files whose side lines DuckDB read (a proxy log, or grep's output): their lines table and the needles those
+    # lines hold; marker_lines reads the lines, as far as its reader goes
+    side_tables: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     few_rows: bool = False  # set by use_few_rows
 
     @property
@@ -284,16 +286,38 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
 
 
 def _split_side_lines(run: Run, f: int, table: str) -> None:
-    """The side needles' lines of file ``f`` (in its lines table, valid UTF-8) into ``run.side_lines``;
-    the ones the prefilter does not keep are deleted from the table."""
+    """The side needles' lines of file ``f`` (in its lines table, valid UTF-8) kept for marker_lines; the ones
+    the prefilter does not keep are deleted from the lines table."""
     if not run.side_needles:
         return
+    _keep_side_lines(run, f, table)
+    run.con.execute(f"DELETE FROM {table} WHERE f = {f} AND n IN (SELECT n FROM side_rows WHERE f = {f} AND NOT "
+                    f"regexp_matches(line, {ep.sql_str(VLLM_PREFILTER)}))")
+
+
+def _keep_side_lines(run: Run, f: int, table: str) -> None:
+    """File ``f``'s side lines in ``table`` (whole, valid UTF-8, numbered as grep numbers them) copied to
+    ``side_rows``, for marker_lines; noted in ``run.side_tables`` with the needles they hold."""
+    run.side_lines.pop(f, None)
     found = " OR ".join(f"contains(line, {ep.sql_str(s)})" for s in run.side_needles)
-    rows = run.con.execute(f"SELECT n, line FROM {table} WHERE f = {f} AND ({found}) ORDER BY n").fetchall()
-    run.side_lines[f] = rows
-    extra = [n for n, line in rows if not _PREFILTER_TEXT.search(line)]
-    if extra:
-        run.con.execute(f"DELETE FROM {table} WHERE f = {f} AND list_contains($extra, n)", {"extra": extra})
+    run.con.execute("CREATE TEMP TABLE IF NOT EXISTS side_rows (f INTEGER, n BIGINT, line VARCHAR)")
+    run.con.execute(f"INSERT INTO side_rows SELECT f, n, line FROM {table} WHERE f = {f} AND ({found})")
+    held = ", ".join(f"bool_or(contains(line, {ep.sql_str(s)}))" for s in run.side_needles)
+    flags = run.con.execute(f"SELECT {held} FROM side_rows WHERE f = {f}").fetchall()[0]
+    run.side_tables[f] = (table, tuple(s for s, hit in zip(run.side_needles, flags, strict=True) if hit))
+
+
+def marker_lines(run: Run, f: int) -> Iterator[tuple[int, str]]:
+    """The side lines of file ``f`` that were in its lines table, in order, read a page at a time (a reader that
+    stops at the first few reads only those)."""
+    last, page = 0, 256
+    while True:
+        rows: list[tuple[int, str]] = run.con.execute(
+            f"SELECT n, line FROM side_rows WHERE f = {f} AND n > {last} ORDER BY n LIMIT {page}").fetchall()
+        yield from rows
+        if len(rows) < page:
+            return
+        last, page = rows[-1][0], min(page * 4, 1 << 16)
 
 
 def _side_filtered(run: Run, f: int, numbered: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
@@ -329,6 +353,8 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                 if _plain(lf.path):
                     try:
                         run.con.execute(ep.read_lines_sql(_TABLES[lf.fmt], f, lf.path))
+                        if lf.fmt == "proxy" and run.side_needles:
+                            _keep_side_lines(run, f, _TABLES[lf.fmt])
                         if progress is not None:
                             progress(lf.size)
                         continue

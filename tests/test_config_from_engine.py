@@ -41,25 +41,38 @@ PREFILTERED = (
 )
 HOLD = (HEAD.format(level="DEBUG", s=5, where="nixl_connector.py:800")
         + "NIXLConnector request_finished(chatcmpl-x-1) waiting for 300 seconds before releasing blocks")
+# The proxy's stale entries: the first says no age (it sets nothing), the second the router TTL, the third
+# repeats the kind (ignored).
+PROXY_HEAD = "2026-11-29 10:06:{s:02d} [INFO] disagg_proxy: "
+STALE = (PROXY_HEAD.format(s=1) + "conv=agent-a: stale cache entry (age=?s > ttl=120.0s)",
+         PROXY_HEAD.format(s=2) + "conv=agent-a: stale cache entry (age=500.1s > ttl=450.0s)",
+         PROXY_HEAD.format(s=3) + "conv=agent-b: stale cache entry (age=301.0s > ttl=300.0s)")
 
 
-def _folder(tmp_path: Path, edit: Callable[[str], str] = lambda s: s) -> Path:
+def _folder(tmp_path: Path, edit: Callable[[str], str] = lambda s: s,
+            proxy_edit: Callable[[str], str] = lambda s: s) -> Path:
     out = tmp_path / "logs"
     shutil.copytree(FIXTURES / "real_vllm_info", out)
-    for name, extra in (("prefill.log", (*NOT_PREFILTERED, *PREFILTERED)), ("decode.log", (HOLD, HOLD))):
+    for name, extra, change in (("prefill.log", (*NOT_PREFILTERED, *PREFILTERED), edit),
+                                ("decode.log", (HOLD, HOLD), edit), ("proxy.log", STALE, proxy_edit)):
         path = out / name
-        path.write_bytes(edit(path.read_text(encoding="utf-8") + "".join(line + "\n" for line in extra))
+        path.write_bytes(change(path.read_text(encoding="utf-8") + "".join(line + "\n" for line in extra))
                          .encode("utf-8", errors="surrogateescape"))
     return out
 
 
 def _engine_lines(paths: list[str], side: bool) -> tuple[list[tuple[object, ...]], dict[int, list[tuple[int, str]]]]:
+    """The vLLM lines the rules read, and every side line by file (those left in a lines table read back)."""
     run = engine.new_run(detect(paths))
     if side:
         run.side_needles = MARKERS
     try:
         engine.load_files(run)
-        return run.con.execute("SELECT f, n, line FROM lines_vllm ORDER BY f, n").fetchall(), run.side_lines
+        side_lines = dict(run.side_lines)
+        for f in run.side_tables:
+            assert f not in side_lines
+            side_lines[f] = list(engine.marker_lines(run, f))
+        return run.con.execute("SELECT f, n, line FROM lines_vllm ORDER BY f, n").fetchall(), side_lines
     finally:
         run.con.close()
 
@@ -85,6 +98,7 @@ def test_engine_lines_equal_a_scan_of_its_own(tmp_path: Path, edit: Callable[[st
     # every fact the extra lines give is found, from the line a scan of its own names
     assert alone.recompute_hang is not None and alone.recompute_hang.value is True
     assert alone.failure_policy is not None and alone.decoder_ttl is not None
+    assert alone.router_ttl is not None and alone.router_ttl.value == 450.0
 
     plain, no_side = _engine_lines(folder, side=False)
     kept, side = _engine_lines(folder, side=True)
@@ -93,7 +107,7 @@ def test_engine_lines_equal_a_scan_of_its_own(tmp_path: Path, edit: Callable[[st
     texts = [t for lines in side.values() for _, t in lines]
     assert all(any(line in t for t in texts) for line in NOT_PREFILTERED)  # (so the deletion above mattered)
 
-    table = load_turn_table(folder)
+    table = load_turn_table(folder, config_lines=True)
     reads: list[str] = []
     real = advise_config._lines
 
@@ -104,17 +118,55 @@ def test_engine_lines_equal_a_scan_of_its_own(tmp_path: Path, edit: Callable[[st
     monkeypatch.setattr(advise_config, "_lines", counted)
     after = scan_config(folder)
     assert after == alone
-    assert not [p for p in reads if p.endswith(("prefill.log", "decode.log"))]  # taken from the engine's grep
+    engine_read = ("prefill.log", "decode.log", "proxy.log")
+    assert not [p for p in reads if p.endswith(engine_read)]  # taken from the engine's grep and lines
     # once: the next scan reads the files again (the remembered lines are not held)
     assert scan_config(folder) == alone
-    assert [p for p in reads if p.endswith(("prefill.log", "decode.log"))]
+    assert {Path(p).name for p in reads if p.endswith(engine_read)} == set(engine_read)
     assert table.equals(load_turn_table(folder))
+    # a table loaded without config_lines keeps none: the scan reads every log itself
+    reads.clear()
+    assert scan_config(folder) == alone
+    assert {Path(p).name for p in reads if p.endswith(engine_read)} == set(engine_read)
+
+
+@pytest.mark.parametrize("byte", ["\x01", "\x00"])
+def test_a_proxy_log_with_odd_bytes_gives_the_same_facts(tmp_path: Path, byte: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # \x01 is the column delimiter of DuckDB's line reader and NUL no text; the router TTL sits after the byte,
+    # so a line cut there would lose it
+    folder = [str(_folder(tmp_path, proxy_edit=lambda s: s.replace("stale cache entry (age=500.1s",
+                                                                   f"{byte}stale cache entry (age=500.1s")))]
+    alone = scan_config(folder)
+    assert alone.router_ttl is not None and alone.router_ttl.value == 450.0
+    load_turn_table(folder, config_lines=True)
+    reads: list[str] = []
+    real = advise_config._lines
+    monkeypatch.setattr(advise_config, "_lines", lambda path, needles: reads.append(str(path)) or real(path, needles))
+    assert scan_config(folder) == alone
+    assert not [p for p in reads if p.endswith("proxy.log")]  # (taken from the engine's lines)
+
+
+def test_marker_lines_read_in_pages_give_every_line_in_order() -> None:
+    run = engine.new_run([])
+    try:
+        run.side_needles = MARKERS
+        run.con.execute("INSERT INTO lines_proxy SELECT 0, n, CASE WHEN n % 3 = 0 THEN 'x ' || n || "
+                        "' stale cache entry' WHEN n % 3 = 1 THEN 'no marker' END FROM range(1, 5000) t(n)")
+        engine._keep_side_lines(run, 0, "lines_proxy")
+        assert run.side_tables[0] == ("lines_proxy", (MARKERS[3],))
+        every = run.con.execute("SELECT n, line FROM lines_proxy WHERE contains(line, 'stale cache entry') "
+                                "ORDER BY n").fetchall()
+        assert len(every) > 1000  # several pages
+        assert list(engine.marker_lines(run, 0)) == every
+    finally:
+        run.con.close()
 
 
 def test_a_changed_file_is_scanned_again(tmp_path: Path) -> None:
     folder = _folder(tmp_path)
     files = detect([str(folder)])
-    run_all(files).con.close()  # remembers the marker lines of prefill.log and decode.log
+    run_all(files, config_lines=True).con.close()  # remembers the marker lines of prefill.log and decode.log
     log = folder / "prefill.log"
     log.write_text(log.read_text(encoding="utf-8").replace("failure_policy=fail", "failure_policy=gone"),
                    encoding="utf-8")
@@ -159,3 +211,11 @@ def test_dropping_repeats_gives_what_every_line_gives() -> None:
             for n, e in advise_config.line_effects(lines, role):
                 advise_config._apply(reduced, e, role, f"{name}:{n}")
         assert reduced == every
+        # told which markers the file holds, it stops once each one's kind is seen: the same effects
+        for _name, role, lines in files:
+            held = [m for m in MARKERS if any(m in line for _, line in lines)]
+            stopped = advise_config.line_effects(iter(lines), role, held)
+            assert stopped == advise_config.line_effects(lines, role)
+            if held and any(advise_config.line_effects(lines, role)):
+                # (negative control: told of none, it reads nothing)
+                assert advise_config.line_effects(lines, role, []) == []
