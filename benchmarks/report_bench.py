@@ -27,6 +27,7 @@ ru_maxrss): the engine streams the files, so 10× the logs must not take 10× th
 
     .venv/bin/python benchmarks/gen_logs.py --size 1GB --out /tmp/bench1g
     .venv/bin/python benchmarks/report_bench.py --data /tmp/bench1g --repeat 3
+    .venv/bin/python benchmarks/report_bench.py --data /tmp/bench1g --repeat 5 --stock-only --compare-tree /tmp/before
     .venv/bin/python benchmarks/gen_logs.py --size 10GB --out /tmp/bench10g
     .venv/bin/python benchmarks/report_bench.py --data /tmp/bench1g --repeat 0 --memory /tmp/bench10g
 """
@@ -108,12 +109,15 @@ def report_once(files: list[str], *, cache_dir: Path | None = None, events_only:
     return len(df)
 
 
-def cli_run(paths: list[str], extra: list[str]) -> dict[str, float]:
-    """``kvdiag report`` as a child: wall and CPU seconds and peak RSS (MiB) of that child alone."""
+def cli_run(paths: list[str], extra: list[str], tree: Path | None = None) -> dict[str, float]:
+    """``kvdiag report`` as a child: wall and CPU seconds and peak RSS (MiB) of that child alone. ``tree``:
+    another checkout's code (DIR/kvdiag, e.g. a worktree of an earlier commit), imported as kvdiag through
+    PYTHONPATH."""
     exe = Path(sys.executable).with_name("kvdiag")
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
     t0 = time.perf_counter()
     child = subprocess.Popen([str(exe), "report", *paths, "--decoder-ttl", "480", "--no-progress", *extra],
-                             stdout=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, env=env)
     _pid, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
@@ -126,7 +130,8 @@ def size_mb(files: list[str]) -> float:
     return sum(os.path.getsize(f) for f in files) / 1e6
 
 
-def run(name: str, paths: list[str], repeat: int, *, events_only: bool = False) -> dict[str, object]:
+def run(name: str, paths: list[str], repeat: int, *, events_only: bool = False, tree: Path | None = None
+        ) -> dict[str, object]:
     """Interleaved rounds over one data set; medians over rounds, and each round's ratio to the baseline."""
     files = expand_paths(paths)
     res: dict[str, object] = {"data": name, "files": len(files), "mb": round(size_mb(files), 1)}
@@ -138,6 +143,8 @@ def run(name: str, paths: list[str], repeat: int, *, events_only: bool = False) 
         variants: list[tuple[str, Callable[[], object]]] = [
             ("duckdb_raw_scan", lambda: duckdb_raw_scan(files)), ("report_cold", lambda: report_once(files)),
             ("cli_cold", lambda: cli_run(paths, ["--no-cache"]))]
+        if tree is not None:  # the same CLI run with the other tree's code, in the same rounds
+            variants.append(("cli_cold_tree", lambda: cli_run(paths, ["--no-cache"], tree)))
         if events_only:
             variants.append(("report_events_only", lambda: report_once(files, events_only=True)))
         variants += [("report_cached", lambda: report_once(files, cache_dir=cache)),
@@ -158,6 +165,10 @@ def run(name: str, paths: list[str], repeat: int, *, events_only: bool = False) 
                 pairs = [r[i] / b[i] for r, b in zip(runs, base, strict=True)]
                 res[f"{key}_{label}_median"] = round(statistics.median(pairs), 2)
                 res[f"{key}_{label}_range"] = [round(min(pairs), 2), round(max(pairs), 2)]
+    if "cli_cold_tree" in rounds:  # this tree's CLI against the other's, round by round
+        pairs = [r[1] / t[1] for r, t in zip(rounds["cli_cold"], rounds["cli_cold_tree"], strict=True)]
+        res["cli_cold_over_tree_cpu_median"] = round(statistics.median(pairs), 3)
+        res["cli_cold_over_tree_cpu_range"] = [round(min(pairs), 3), round(max(pairs), 3)]
     return res
 
 
@@ -180,6 +191,10 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=1024, help="Size of the generated event data set.")
     ap.add_argument("--memory", type=Path, help="A large gen_logs.py data set: peak RSS there vs over --data.")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--compare-tree", type=Path, metavar="DIR",
+                    help="Also time the CLI's first run with the kvdiag package under DIR (DIR/kvdiag, e.g. a "
+                         "worktree of an earlier commit), in the same rounds (cli_cold_tree).")
+    ap.add_argument("--stock-only", action="store_true", help="Skip the mixed set (stock logs alone only).")
     args = ap.parse_args()
     print(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), "
                                  f"Python {platform.python_version()}, duckdb {duckdb.__version__}",
@@ -191,13 +206,14 @@ def main() -> None:
             print(f"generated {args.events_dir} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         print(json.dumps(run("events", [str(args.events_dir)], args.repeat)))
     if args.repeat:
-        print(json.dumps(run("mixed", [str(args.data)], args.repeat, events_only=True)))
+        if not args.stock_only:
+            print(json.dumps(run("mixed", [str(args.data)], args.repeat, events_only=True, tree=args.compare_tree)))
         with tempfile.TemporaryDirectory() as tmp:
             stock = Path(tmp)  # the same files without kvdiag's events
             for f in expand_paths([str(args.data)]):
                 if Path(f).name not in EVENT_FILES:
                     (stock / Path(f).name).symlink_to(Path(f).resolve())
-            print(json.dumps(run("stock", [str(stock)], args.repeat)))
+            print(json.dumps(run("stock", [str(stock)], args.repeat, tree=args.compare_tree)))
             print(json.dumps({"load_average": os.getloadavg()}))
     if args.memory is not None:
         print(json.dumps({"memory": memory(args.memory, args.data), "load_average": os.getloadavg()}))
