@@ -260,8 +260,8 @@ def _numbered(path: str) -> Iterator[tuple[int, bytes]]:
 def add_grep_output(run: Run, f: int, path: str) -> None:
     """grep's "N:line" output for file ``f`` into its lines table: read by DuckDB where it splits the lines
     as grep did and every line is valid UTF-8 and short enough to keep whole; by Python (add_lines, which
-    counts and notes such lines) otherwise. Lines with a side needle go to ``run.side_lines``; those the
-    prefilter would not keep leave the lines table."""
+    counts and notes such lines) otherwise. Lines with a side needle are kept for the configuration scan (in
+    ``run.side_lines`` when Python reads them); those the prefilter would not keep leave the lines table."""
     if run.side_needles:
         run.side_lines[f] = []
     if os.path.getsize(path) == 0:
@@ -281,6 +281,7 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
         except (duckdb_api.InvalidInputException, duckdb_api.ConversionException):
             pass
         run.con.execute(f"DELETE FROM {table} WHERE f = {f}")
+        run.side_tables.pop(f, None)  # (Python reads the file: its side lines go to run.side_lines)
     numbered = _numbered(path)
     add_lines(run, f, _side_filtered(run, f, numbered) if run.side_needles else numbered)
 
