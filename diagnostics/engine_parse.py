@@ -358,14 +358,47 @@ def parse_proxy_sql() -> list[str]:
     return parse_proxy_sql()
 
 
+# What Python's \s reads in a str pattern (str.isspace: the ASCII separators \x1c-\x1f and \v too), in RE2's
+# syntax; RE2's own \s is [\t\n\f\r ] alone
+PY_SPACE: Final = ("\\t-\\r\\x1c-\\x20\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}"
+                   "\\x{205f}\\x{3000}")
+PY_ASCII_SPACE: Final = "\\t-\\r\\x1c-\\x20"
+# Python's class escapes as RE2 reads them: (outside a class, inside one); None where RE2 has no way
+_UNICODE_CLASSES: Final = {
+    "\\w": ("[\\pL\\pN_]", "\\pL\\pN_"), "\\W": ("[^\\pL\\pN_]", None),
+    "\\d": ("\\p{Nd}", "\\p{Nd}"), "\\D": ("\\P{Nd}", "\\P{Nd}"),
+    "\\s": (f"[{PY_SPACE}]", PY_SPACE), "\\S": (f"[^{PY_SPACE}]", None),
+    "\\b": (None, None), "\\B": (None, None),
+}
+# on ASCII text RE2's \w, \d and their negations are Python's; \s and \S are not (\v, \x1c-\x1f)
+_ASCII_CLASSES: Final = {"\\s": (f"[{PY_ASCII_SPACE}]", PY_ASCII_SPACE), "\\S": (f"[^{PY_ASCII_SPACE}]", None),
+                         "\\b": (None, None), "\\B": (None, None)}
+
+
 def _re2(pattern: re.Pattern[str]) -> str:
-    """A Python pattern as RE2 reads it the same way: ``\\w`` made Unicode-aware (RE2's is ASCII)."""
+    """A Python pattern as RE2 reads it the same way on any text: ``\\w``, ``\\d``, ``\\s`` and their negations
+    made Unicode-aware as Python's are (RE2's are ASCII)."""
+    return _translated(pattern, _UNICODE_CLASSES)
+
+
+def ascii_form(pattern: re.Pattern[str]) -> str:
+    """A Python pattern as RE2 reads it the same way on ASCII text (faster than :func:`_re2`'s form)."""
+    return _translated(pattern, _ASCII_CLASSES)
+
+
+def _translated(pattern: re.Pattern[str], classes: dict[str, tuple[str | None, str | None]]) -> str:
     out, in_class, i, src = [], False, 0, pattern.pattern
     while i < len(src):
         ch = src[i]
         if ch == "\\" and i + 1 < len(src):
             pair = src[i:i + 2]
-            out.append(("\\pL\\pN_" if in_class else "[\\pL\\pN_]") if pair == "\\w" else pair)
+            if pair in classes:
+                form = classes[pair][1 if in_class else 0]
+                if form is None:
+                    raise ValueError(f"pattern {pattern.pattern!r}: RE2 cannot read {pair} as Python does here")
+                out.append(form)
+            else:
+                out.append(pair)
             i += 2
             continue
         if ch == "[" and not in_class:
@@ -383,13 +416,13 @@ ASCII: Final = "strlen({0}) = length({0})"  # bytes = characters: the text is AS
 def _rx(fn: str, col: str, regex: re.Pattern[str], *args: str, ascii_flag: str | None = None,
         ascii_branch: bool = True) -> str:
     """``fn(col, pattern, args...)`` for a Python pattern, read by RE2 as Python reads it. An ASCII text takes
-    the pattern as written (on ASCII, RE2's ``\\w``, ``\\d`` and ``\\b`` are Python's, and several times
-    faster than the Unicode classes); any other text its Unicode-aware form (``_re2``). ``ascii_flag``: a
+    its ASCII form (``ascii_form``: on ASCII, RE2's ``\\w`` and ``\\d`` are Python's, and several times faster
+    than the Unicode classes); any other text its Unicode-aware form (``_re2``). ``ascii_flag``: a
     column that already says whether ``col`` is ASCII; without ``ascii_branch`` every text takes the
     Unicode-aware form (one pattern to compile instead of two)."""
     rest = "".join(f", {a}" for a in args)
     uni = f"{fn}({col}, {sql_str(_re2(regex))}{rest})"
-    ascii_pattern = ("(?s)" if regex.flags & re.DOTALL else "") + regex.pattern
+    ascii_pattern = ascii_form(regex)
     if not ascii_branch or ascii_pattern == _re2(regex):
         return uni
     flag = ascii_flag or ASCII.format(col)
@@ -432,7 +465,7 @@ _VLLM_FIELDS: Final[dict[str, dict[str, str]]] = {
                          "nullif(regexp_extract(x.g3, '''remote_request_id'': ''([^'']*)''', 1), '')"},
     "kv_load_failed": {"request_ids": "CASE WHEN len(regexp_extract_all(x.g4, '''([^'']+)''', 1)) > 0 "
                                       "THEN regexp_extract_all(x.g4, '''([^'']+)''', 1) ELSE regexp_extract_all("
-                                      "x.g4, '(?:chat)?cmpl-[\\w-]+|[0-9a-f]{8}-[0-9a-f-]{27,}[\\w-]*') END"},
+                                      f"x.g4, {sql_str(_re2(vllm_log.IDS_IN_TEXT_RE))}) END"},
     "kv_load_recovered": {},
     "skip_post_processing": {"request_id": _S.format(1)},
     "skip_remote_pull": {"request_id": _S.format(1), "remote_tokens": _I.format(2), "threshold": _I.format(3)},
@@ -483,7 +516,8 @@ def _field(i: int, kind: str, regex: re.Pattern[str], col: str) -> str | None:
         return "coalesce(nullif(x.g2, ''), 'error')"
     if kind == "aborted" and col == "request_ids":
         if regex.pattern.startswith("^Aborted"):
-            return ("list_filter(list_transform(regexp_split_to_array(x.g1, '[,\\s]+'), "
+            # (the parser splits at Python's \s: PY_SPACE)
+            return (f"list_filter(list_transform(regexp_split_to_array(x.g1, '[,{PY_SPACE}]+'), "
                     "lambda s: trim(s, ' ''\"[]{}')), lambda s: s <> '')")
         return "[x.g1]"
     return _VLLM_FIELDS.get(kind, {}).get(col)

@@ -39,12 +39,12 @@ _CONV_READ: Final = "length({0}) >= 2 AND ends_with({0}, ':')"  # a greedy read 
 def _one_pass_form(regex: re.Pattern[str]) -> str:
     """The pattern as RE2 reads it (_re2), its conversation id (where it has one, never in an optional part)
     read greedily up to the space."""
-    src = _re2(regex)
+    src = regex.pattern
     if _LAZY_CONV not in src:
-        return src
+        return _re2(regex)
     if src.count(_LAZY_CONV) != 1 or not any(src.startswith(before + _LAZY_CONV) for before in _IDS):
         raise ValueError(f"proxy pattern {regex.pattern!r}: its conversation id is not where it can be read greedily")
-    return src.replace(_LAZY_CONV, r"conv=(?P<conv>\S+) ")
+    return _re2(re.compile(src.replace(_LAZY_CONV, r"conv=(?P<conv>\S+) "), regex.flags))
 
 
 _FORMS: Final = {kind: _one_pass_form(regex) for kind, regex in PROXY_CLASSIFIERS if kind in _ONE_PASS}

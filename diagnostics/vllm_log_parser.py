@@ -58,8 +58,12 @@ class VllmRecord:
         return f"{proc}{self.level} {self.ts} [{self.fileinfo}] {head}"[:500]
 
 
+# request ids named in free text (a KV load failure's list when it quotes none)
+IDS_IN_TEXT_RE: Final = re.compile(r"(?:chat)?cmpl-[\w-]+|[0-9a-f]{8}-[0-9a-f-]{27,}[\w-]*")
+
+
 def _ids_in(text: str) -> list[str]:
-    return re.findall(r"(?:chat)?cmpl-[\w-]+|[0-9a-f]{8}-[0-9a-f-]{27,}[\w-]*", text)
+    return IDS_IN_TEXT_RE.findall(text)
 
 
 def _context(text: str) -> dict[str, Any]:

@@ -7,6 +7,8 @@ the Python parser finds is in the engine's table with the same kind, request ids
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from pathlib import Path
 
 import duckdb
@@ -131,7 +133,9 @@ def test_json_records_equal_json_logs(tmp_path: Path, stats: bool) -> None:
         assert {k: v for k, v in cs.items() if k[0] == f} == want_cs, path
 
 
-_ID = st.text(st.sampled_from("ab9_-.:()=x/é"), min_size=1, max_size=8)
+# (with characters Python's \s, \d and \w read otherwise than RE2's: \v, \x1f, NBSP, an em space, an
+# Arabic-Indic digit)
+_ID = st.text(st.sampled_from("ab9_-.:()=x/é\v\x1f\xa0\u2003\u0663"), min_size=1, max_size=8)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -159,7 +163,7 @@ def test_vllm_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, st
             assert got[rec.lineno] == want, (ascii_branch, rec.msg, got[rec.lineno])
 
 
-_PROXY_TEXT = st.text(st.sampled_from("ab9_-.:()=x/é [s"), min_size=0, max_size=10)
+_PROXY_TEXT = st.text(st.sampled_from("ab9_-.:()=x/é [s\v\x1f\xa0\u2003\u0663"), min_size=0, max_size=10)  # (as _ID)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -245,3 +249,28 @@ def test_events_carry_every_field_json_logs_reads(tmp_path: Path, stats: bool) -
     decode_ms, block = 2 + cols.index("decode_ms"), 2 + cols.index("attr_block_size")
     assert any(r[:2] == (len(files) - 1, 2) and r[decode_ms] == 5.5 and r[block] == 16 for r in got)
     assert len(got) > 100
+
+
+def test_class_escapes_read_by_re2_as_python_reads_them() -> None:
+    """Each of Python's class escapes, translated, matches in RE2 (DuckDB) exactly the characters it matches in
+    Python: every ASCII character and every non-ASCII one Python's \\s, \\d or \\w treat specially nearby."""
+    chars = [chr(c) for c in range(128)] + [chr(c) for c in range(128, 0x3100) if chr(c).isspace()
+                                            or unicodedata.category(chr(c)) in ("Nd", "Lo", "No", "Mn")][::7]
+    chars += ["\u00e9", "\u0663", "\u00a0", "\u2003", "\u3000", "\u00b2", "_"]
+    con = duckdb.connect()
+    for escape in ("\\s", "\\S", "\\d", "\\D", "\\w", "\\W", "[\\s,]", "[\\d.]", "[\\w.:-]"):
+        regex = re.compile(escape)
+        want = [bool(regex.fullmatch(ch)) for ch in chars]
+        uni = con.execute("SELECT list_transform($c, lambda ch: regexp_full_match(ch, $p))",
+                          {"c": chars, "p": ep._re2(regex)}).fetchall()[0][0]
+        assert uni == want, escape
+        ascii_chars = [ch for ch in chars if ch.isascii()]
+        got_ascii = con.execute("SELECT list_transform($c, lambda ch: regexp_full_match(ch, $p))",
+                                {"c": ascii_chars, "p": ep.ascii_form(regex)}).fetchall()[0][0]
+        assert got_ascii == [bool(regex.fullmatch(ch)) for ch in ascii_chars], escape
+        if escape in ("\\s", "\\S"):  # (the control: RE2 reads them as written otherwise, even on ASCII)
+            as_written = con.execute("SELECT list_transform($c, lambda ch: regexp_full_match(ch, $p))",
+                                     {"c": ascii_chars, "p": escape}).fetchall()[0][0]
+            assert as_written != [bool(regex.fullmatch(ch)) for ch in ascii_chars]
+    with pytest.raises(ValueError, match="RE2 cannot read"):
+        ep._re2(re.compile(r"\bx"))
