@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from kvdiag.demo.run import DemoError, default_out_dir, run_demo
 from kvdiag.demo.scenarios import produced_by
+from kvdiag.diagnostics.terminal_safe import safe_console
 
 
 @click.command("demo")
@@ -19,7 +19,7 @@ from kvdiag.demo.scenarios import produced_by
 def demo(out_dir: Path | None, keep_going: bool) -> None:
     """Start P, D and the router on loopback, produce every verdict, stop everything, summarize."""
     out = out_dir or default_out_dir()
-    console = Console()
+    console = safe_console()
     console.print("kvdiag demo: emulated vLLM prefill + decode and the router on 127.0.0.1 ...")
     try:
         result = run_demo(out, keep_going=keep_going)

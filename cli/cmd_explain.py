@@ -13,6 +13,7 @@ from rich.console import Console
 
 from kvdiag.diagnostics.records import TurnRecord
 from kvdiag.diagnostics.terminal import explain_all_renderables, explain_renderables
+from kvdiag.diagnostics.terminal_safe import printable, safe_console
 from kvdiag.diagnostics.turn_loader import (
     ConversationNotFoundError,
     LineStats,
@@ -33,7 +34,7 @@ def output_console(width: int | None, wide: bool) -> Console:
     if width is None and not sys.stdout.isatty():
         width = int(os.environ["COLUMNS"]) if os.environ.get("COLUMNS", "").isdigit() else (200 if wide else 120)
     # (no ":name:" emoji codes: nothing kvdiag prints means one, and their table costs a one-conversation run 3 ms)
-    return Console(width=width, emoji=False) if width else Console(emoji=False)
+    return safe_console(width=width, emoji=False) if width else safe_console(emoji=False)
 
 
 def _progress_fn(console: Console, enabled: bool) -> tuple[Any, Any]:
@@ -58,7 +59,7 @@ def _note_unrecognised(stats: LineStats) -> None:
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         click.echo(f"note: ignored {len(names)} file(s) in no known log format (client, router/proxy, vLLM, "
-                   f"kvdiag events): {shown}", err=True)
+                   f"kvdiag events): {printable(shown)}", err=True)
 
 
 @click.command("explain")
@@ -82,7 +83,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
     """
     if bool(conversation_id) == all_conversations:
         raise click.UsageError("give exactly one of --conversation-id ID or --all")
-    err = Console(stderr=True)
+    err = safe_console(stderr=True)
     bar, update = _progress_fn(err, not no_progress and sys.stderr.isatty())
     stats = LineStats()
     try:
@@ -98,13 +99,15 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
                 bar.stop()
     except ConversationNotFoundError as exc:
         _note_unrecognised(stats)
-        click.echo(f"Error: {exc}. Check the id, or add the client/router logs that carry it.", err=True)
+        click.echo(f"Error: {printable(str(exc))}. Check the id, or add the client/router logs that carry it.",
+                   err=True)
         sys.exit(2)
     except UnreadableLogError as exc:
-        raise click.ClickException(f"{exc}. Fix the path or permissions, or leave the file out.") from None
+        raise click.ClickException(f"{printable(str(exc))}. Fix the path or permissions, or leave the file out."
+                                   ) from None
     if stats.corrupt:
         first = f" (first: {stats.notes[0]})" if stats.notes else ""
-        click.echo(f"note: skipped {stats.corrupt} corrupt line(s){first}", err=True)
+        click.echo(f"note: skipped {stats.corrupt} corrupt line(s){printable(first)}", err=True)
     _note_unrecognised(stats)
     if not conversation_id and not convs:
         click.echo("Error: no conversations found in the logs given. Pass the client, router/proxy, prefill and "

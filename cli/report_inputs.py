@@ -16,6 +16,7 @@ from kvdiag.diagnostics.detect import LogReadError
 from kvdiag.diagnostics.report import ReportError, load_turn_table
 from kvdiag.diagnostics.report_cache import DEFAULT_CACHE_DIR
 from kvdiag.diagnostics.sources import stage_inputs
+from kvdiag.diagnostics.terminal_safe import printable, safe_console
 from kvdiag.diagnostics.turn_loader import ExplainError
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024
@@ -32,7 +33,7 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn  # noqa: PLC0415
 
     bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                   console=Console(stderr=True), transient=True)
+                   console=safe_console(stderr=True), transient=True)
     task = bar.add_task("reading logs", total=None)
 
     def update(done: int, total: int) -> None:
@@ -51,17 +52,17 @@ def load_table(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progre
         with stage_inputs(logs, mirror_dir=cache / "s3" if cache is not None else None) as staged:
             if staged.stats.corrupt:
                 first = f" (first: {staged.display(staged.stats.notes[0])})" if staged.stats.notes else ""
-                click.echo(f"note: skipped {staged.stats.corrupt} line(s) in no container log format{first}",
-                           err=True)
+                click.echo(f"note: skipped {staged.stats.corrupt} line(s) in no container log format"
+                           f"{printable(first)}", err=True)
             with progress_bar(not no_progress and sys.stderr.isatty()) as update:
                 df = load_turn_table(staged, cache_dir=cache, progress=update, events_only=events_only,
                                      config_lines=True)
             return df, scan_config_cached(staged, cache)
     except ReportError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(printable(str(exc))) from None
     except (LogReadError, ExplainError) as exc:
-        raise click.ClickException(f"{exc}\nHint: pass the client, router/proxy, prefill and decode logs "
-                                   "(files, globs or a folder).") from None
+        raise click.ClickException(f"{printable(str(exc))}\nHint: pass the client, router/proxy, prefill and "
+                                   "decode logs (files, globs or a folder).") from None
 
 
 @contextmanager
@@ -77,7 +78,7 @@ def writing() -> Iterator[None]:
 def advice_console() -> Console:
     """The console advice is printed on."""
     # Piped output gets a wide page so the advice lines are not cut to 80 characters.
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return safe_console() if sys.stdout.isatty() else safe_console(width=160)
 
 
 def cache_options(f: Callable[..., None]) -> Callable[..., None]:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -29,6 +29,7 @@ from kvdiag.diagnostics.humanize import (
     human_share,
 )
 from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
+from kvdiag.diagnostics.terminal_safe import safe_console
 from kvdiag.schema.verdicts import TRIM_INFO, Confidence, TrimInfo, TrimReason
 
 INFERRED_MARK: Final = "*"
@@ -40,8 +41,8 @@ _INDENT: Final = 2
 def render_text(renderables: Iterable[RenderableType], width: int) -> str:
     """Render to plain text at ``width`` columns (no colour, no terminal needed)."""
     buf = io.StringIO()
-    console = Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False,
-                      highlight=False, soft_wrap=False)
+    console = safe_console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False,
+                           highlight=False, soft_wrap=False)
     for r in renderables:
         console.print(r)
     return "".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines())
