@@ -41,7 +41,7 @@ from kvdiag.router.placement import Placed, Placement
 from kvdiag.router.reply import Observed, drop_token_ids, observe_body
 from kvdiag.router.reuse import Injection, ReuseGuard
 from kvdiag.router.reuse_rule import Coverage, PromptView, Reuse, prompt_view, unsupported_shape
-from kvdiag.router.security import earlier_turns, hash_conversation_id, store_key, tenant_of
+from kvdiag.router.security import earlier_turns, hash_conversation_id, loggable_as_is, store_key, tenant_of
 from kvdiag.router.sse import PARAMS_KEY, SSECapture, TokenIdStripper
 from kvdiag.router.store import Claim, Handle, LastTurn, Store, StoreError
 from kvdiag.router.telemetry import RouterTelemetry
@@ -72,7 +72,7 @@ class _Turn:
     """Mutable per-turn context the flow threads through its steps."""
 
     state: TurnState
-    conv_log: str | None = None  # the conversation id as logs show it (hashed with --hash-ids)
+    conv_log: str | None = None  # the conversation id as logs show it (hashed with --hash-ids or when unsafe)
     key: str | None = None
     claim: Claim | None = None
     body: dict[str, Any] | None = None
@@ -229,7 +229,9 @@ class TurnFlow:
             turn.key = store_key(state.tenant, conv)
             state.id_hashed = self.config.hash_ids
             state.conversation_id = hash_conversation_id(conv) if self.config.hash_ids else conv
-            turn.conv_log = state.conversation_id
+            # (the text log never carries a client's line break or escape sequence)
+            log_id = state.conversation_id
+            turn.conv_log = log_id if loggable_as_is(log_id) else hash_conversation_id(conv)
         return body
 
     async def _lookup(self, body: dict[str, Any], turn: _Turn, headers: dict[str, str]) -> None:

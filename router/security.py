@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from typing import Any, Final
 
 ANONYMOUS_TENANT: Final = "anonymous"
@@ -19,6 +20,14 @@ ID_HASH_SCHEME: Final = "sha256-16"  # recorded in events' attrs.id_hash when --
 def hash_conversation_id(conversation_id: str) -> str:
     """The stable public form of a conversation id: sha256 hex digest, first 16 characters."""
     return hashlib.sha256(conversation_id.encode("utf-8")).hexdigest()[:16]
+
+
+def loggable_as_is(conversation_id: str) -> bool:
+    """True when the id can stand in a text log line as it is: it holds no whitespace and no control or
+    format character. A newline in it would forge a line of its own, an escape sequence would drive the
+    terminal that shows the log, a space would end the id where the proxy log's readers end it; such an id
+    is logged as :func:`hash_conversation_id` of it, which ``kvdiag explain`` matches to the client's id."""
+    return not any(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") for ch in conversation_id)
 
 
 def tenant_of(authorization: str | None) -> str:

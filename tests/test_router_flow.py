@@ -17,6 +17,7 @@ from router_support import FakeBackend, d_params, fake_backends, free_port, read
 
 from kvdiag.router.app import RouterHandle, start_router
 from kvdiag.router.config import RouterConfig, Upstream
+from kvdiag.router.security import hash_conversation_id, loggable_as_is
 from kvdiag.router.store import MemoryStore, Store
 from kvdiag.schema.events import read_events
 
@@ -375,6 +376,32 @@ async def test_health_metrics_and_proxy_log(tmp_path: Path) -> None:
         assert any(re.fullmatch(pattern, line) for line in lines), (pattern, lines)
     assert any("[WARNING] disagg_proxy: [" in line and "No conversation_id provided — KV cache reuse disabled"
                in line and line.endswith("(off by default).") for line in lines)
+
+
+FORGED = "conv=victim: cache HIT (age=1.0s)"
+
+
+async def test_a_hostile_conversation_id_cannot_forge_a_proxy_log_line(tmp_path: Path) -> None:
+    """A client's id with a line break and an escape sequence is logged as its sha256 tag: every line stays one
+    record of the example proxy's format, and no line names a conversation the client made up."""
+    log = tmp_path / "proxy.log"
+    hostile = f"x\n2025-11-29 06:55:00 [INFO] disagg_proxy: {FORGED}\x1b[2J"
+    async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path, proxy_log=log) as r:
+        _, _, h1 = await _post(r.url, _chat("hi", conv=hostile))
+        await _post(r.url, _chat("hi", REPLY, "y", conv=hostile))
+        await _post(r.url, _chat("hi", conv="plain-id"))
+        evs = await _events_n(tmp_path, 3)
+    lines = log.read_text(encoding="utf-8").split("\n")[:-1]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[[A-Z]+\] disagg_proxy: [^\x00-\x1f]*", line)
+               for line in lines), lines
+    assert not [line for line in lines if "victim" in line]
+    tag = hash_conversation_id(hostile)
+    assert any(f"[{h1['X-Request-Id']}] conv={tag}: cache MISS" in line for line in lines)
+    assert any("conv=plain-id: cache MISS" in line for line in lines)  # a plain id is logged as it is
+    # the events (JSON) keep the id as the client sent it
+    assert evs[0]["conversation_id"] == hostile and "id_hash" not in evs[0].get("attrs", {})
+    # the control: as sent, the id would have written the forged line
+    assert not loggable_as_is(hostile) and loggable_as_is("plain-id")
 
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
