@@ -7,6 +7,7 @@ those characters (where the pattern allows them) are where a wrong reading would
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
 HEAD = "2025-11-29 06:55:00 [INFO] disagg_proxy: "
+GREEDY_CONV = ep._re2(re.compile(r"conv=(?P<conv>\S+) "))  # the one-pass forms' conversation id, as RE2 reads it
 # a request id may hold ": ", " conv=", ": cache MISS" and "[" (only "]" ends it); a conversation id any
 # character but whitespace (":", "]", ")", ",", "(" included)
 RIDS = ["r1", "a: b", "x] conv=y: cache MISS", "[q: r", "é: ü", "k) (age=1s", "z, blocks=3)", "(remote_request_id=q"]
@@ -87,7 +89,7 @@ def test_cut_groups_equal_the_parser_on_the_fixture_logs() -> None:
     # the negative controls of the one-pass forms: a request id read up to the last "]" instead of the first, a
     # conversation id read lazily up to its first ":" (an id may hold one)
     ("miss", lambda form: form.replace(r"(?P<rid>[^\]]+)", r"(?P<rid>.+)")),
-    ("cached", lambda form: form.replace(r"conv=(?P<conv>\S+) ", r"conv=(?P<conv>[^:]+:) ")),
+    ("cached", lambda form: form.replace(GREEDY_CONV, r"conv=(?P<conv>[^:]+:) ")),
 ])
 def test_a_wrong_form_is_caught(monkeypatch: pytest.MonkeyPatch, kind: str, wrong: Callable[[str], str]) -> None:
     lines = [HEAD + m for m in ADVERSARIAL]
