@@ -12,6 +12,7 @@ import click
 from kvdiag.check.findings import EXIT_USAGE
 from kvdiag.check.render import render_text
 from kvdiag.check.run import CheckOptions, OptionsError, run_check
+from kvdiag.diagnostics.terminal_safe import printable
 
 
 @click.command("check")
@@ -65,7 +66,8 @@ def check(router: str | None, prefill: str | None, decode: str | None, model: st
         click.echo(json.dumps(report.to_json_dict(strict), indent=2))
     else:
         width = min(shutil.get_terminal_size((80, 24)).columns, 120)
-        click.echo(render_text(report, width=width, verbose=verbose, strict=strict), nl=False)
+        # (findings quote what the servers answered: shown, never obeyed by the terminal)
+        click.echo(printable(render_text(report, width=width, verbose=verbose, strict=strict)), nl=False)
     sys.exit(report.exit_code(strict))
 
 

@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from click.testing import CliRunner
 from rich.console import Console
 from rich.text import Text
 
+from kvdiag.cli import cmd_check
+from kvdiag.cli.main import cli
 from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
 from kvdiag.diagnostics.terminal import explain_all_renderables, explain_renderables, render_text
 from kvdiag.diagnostics.terminal_safe import SHOWN_AS, printable, safe_console
@@ -83,3 +87,20 @@ def test_the_cli_shows_a_hostile_conversation_id(tmp_path: Path) -> None:
     as_json = subprocess.run([str(exe), "explain", str(logs), "--conversation", conv_id, "--json"],
                              capture_output=True, text=True, check=True).stdout
     assert '"conversation_id": "agent-a\\u001b]0;PWNED\\u0007' in as_json
+
+
+def test_kvdiag_check_shows_what_a_server_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvdiag check quotes the servers' answers in its findings: a hostile answer is shown, not obeyed."""
+    class _Report:
+        def exit_code(self, strict: bool) -> int:
+            return 0
+
+    async def fake_run(options: object) -> _Report:
+        return _Report()
+
+    monkeypatch.setattr(cmd_check, "run_check", fake_run)
+    monkeypatch.setattr(cmd_check, "render_text", lambda report, **kw: f"model: m{HOSTILE}\nok\n")
+    result = CliRunner().invoke(cli, ["check", "--router", "http://127.0.0.1:9", "--passive"])
+    assert result.exit_code == 0, result.output
+    assert "model: m" in result.output and "\nok\n" in result.output
+    assert not CONTROL.search(result.output), repr(result.output)
