@@ -23,7 +23,7 @@ SHOWN_AS: Final = "\ufffd"
 
 def printable(text: str) -> str:
     """``text`` with every control character but tab and newline shown as U+FFFD."""
-    return _CONTROL.sub(SHOWN_AS, text) if _CONTROL.search(text) else text
+    return _CONTROL.sub(SHOWN_AS, text)
 
 
 class _Shown:
@@ -35,10 +35,7 @@ class _Shown:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Segment]:
         for seg in console.render(self.inner, options):
-            if seg.control or not _CONTROL.search(seg.text):
-                yield seg
-            else:
-                yield Segment(printable(seg.text), seg.style)
+            yield seg if seg.control or not _CONTROL.search(seg.text) else Segment(printable(seg.text), seg.style)
 
 
 class _ShowControls(RenderHook):

@@ -142,9 +142,7 @@ def run_all(files: list[LogFile], progress: ProgressFn | None = None, *, windows
         run.side_needles = MARKERS
     with _reading():
         engine.load_files(run, _Progress(sum(f.size for f in files), progress, 1))
-        for f, lines in run.side_lines.items():
-            remember_marker_lines(files[f].path, lines)
-        for f, (_table, held) in run.side_tables.items():
+        for f, held in run.side_markers.items():
             remember_marker_lines(files[f].path, engine.marker_lines(run, f), held)
         engine.parse(run)
         engine.decide(run)

@@ -83,14 +83,12 @@ class Run:
     only: str | None = None
     evidence: bool = True  # each turn's evidence refs (explain prints them; the turn table reads none)
     timings: list[tuple[str, float, float]] = field(default_factory=list)  # KVDIAG_PROFILE: (statement, wall, cpu)
-    # vLLM lines containing one of these strings are also kept in side_lines (by file index: line number and
-    # text, as grep gives them), whatever the prefilter says; the same grep finds them, so the configuration
-    # scan needs no second pass over the logs. Files grep could not read have no entry.
+    # vLLM and proxy lines containing one of these strings are also kept in the table side_rows (line number and
+    # text, as grep gives them), whatever the prefilter says; the same reads find them, so the configuration scan
+    # needs no second pass over the logs. side_markers: the files that have their side lines there (a file read
+    # neither way has no entry), with the needles those lines hold; marker_lines reads them.
     side_needles: tuple[str, ...] = ()
-    side_lines: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
-    # files whose side lines DuckDB read (a proxy log, or grep's output): their lines table and the needles those
-    # lines hold; marker_lines reads the lines, as far as its reader goes
-    side_tables: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    side_markers: dict[int, tuple[str, ...]] = field(default_factory=dict)
     few_rows: bool = False  # set by use_few_rows
 
     @property
@@ -260,11 +258,11 @@ def _numbered(path: str) -> Iterator[tuple[int, bytes]]:
 def add_grep_output(run: Run, f: int, path: str) -> None:
     """grep's "N:line" output for file ``f`` into its lines table: read by DuckDB where it splits the lines
     as grep did and every line is valid UTF-8 and short enough to keep whole; by Python (add_lines, which
-    counts and notes such lines) otherwise. Lines with a side needle are kept for the configuration scan (in
-    ``run.side_lines`` when Python reads them); those the prefilter would not keep leave the lines table."""
-    if run.side_needles:
-        run.side_lines[f] = []
+    counts and notes such lines) otherwise. Lines with a side needle are kept in side_rows; those the
+    prefilter would not keep leave the lines table."""
     if os.path.getsize(path) == 0:
+        if run.side_needles:
+            _keep_side_lines(run, f, [])
         return
     table = _TABLES[run.files[f].fmt]
     if _csv_safe(path):
@@ -281,14 +279,20 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
         except (duckdb_api.InvalidInputException, duckdb_api.ConversionException):
             pass
         run.con.execute(f"DELETE FROM {table} WHERE f = {f}")
-        run.side_tables.pop(f, None)  # (Python reads the file: its side lines go to run.side_lines)
+        if run.side_markers.pop(f, None) is not None:  # (Python reads the file again, side lines included)
+            run.con.execute(f"DELETE FROM side_rows WHERE f = {f}")
     numbered = _numbered(path)
-    add_lines(run, f, _side_filtered(run, f, numbered) if run.side_needles else numbered)
+    if not run.side_needles:
+        add_lines(run, f, numbered)
+        return
+    side: list[tuple[int, str]] = []
+    add_lines(run, f, _side_filtered(run, numbered, side))
+    _keep_side_lines(run, f, side)
 
 
 def _split_side_lines(run: Run, f: int, table: str) -> None:
-    """The side needles' lines of file ``f`` (in its lines table, valid UTF-8) kept for marker_lines; the ones
-    the prefilter does not keep are deleted from the lines table."""
+    """The side needles' lines of file ``f`` (in its lines table, valid UTF-8) kept in side_rows; the ones the
+    prefilter does not keep are deleted from the lines table."""
     if not run.side_needles:
         return
     _keep_side_lines(run, f, table)
@@ -296,21 +300,24 @@ def _split_side_lines(run: Run, f: int, table: str) -> None:
                     f"regexp_matches(line, {ep.sql_str(VLLM_PREFILTER)}))")
 
 
-def _keep_side_lines(run: Run, f: int, table: str) -> None:
-    """File ``f``'s side lines in ``table`` (whole, valid UTF-8, numbered as grep numbers them) copied to
-    ``side_rows``, for marker_lines; noted in ``run.side_tables`` with the needles they hold."""
-    run.side_lines.pop(f, None)
-    found = " OR ".join(f"contains(line, {ep.sql_str(s)})" for s in run.side_needles)
+def _keep_side_lines(run: Run, f: int, lines: str | Sequence[tuple[int, str]]) -> None:
+    """File ``f``'s side lines into side_rows: from its lines table (``lines`` names it: whole, valid UTF-8,
+    numbered as grep numbers them) or as Python read them; noted in ``run.side_markers`` with the needles they
+    hold."""
     run.con.execute("CREATE TEMP TABLE IF NOT EXISTS side_rows (f INTEGER, n BIGINT, line VARCHAR)")
-    run.con.execute(f"INSERT INTO side_rows SELECT f, n, line FROM {table} WHERE f = {f} AND ({found})")
+    if isinstance(lines, str):
+        found = " OR ".join(f"contains(line, {ep.sql_str(s)})" for s in run.side_needles)
+        run.con.execute(f"INSERT INTO side_rows SELECT f, n, line FROM {lines} WHERE f = {f} AND ({found})")
+    else:
+        insert_rows(run.con, "side_rows", ("INTEGER", "BIGINT", "VARCHAR"), [(f, n, text) for n, text in lines])
     held = ", ".join(f"bool_or(contains(line, {ep.sql_str(s)}))" for s in run.side_needles)
     flags = run.con.execute(f"SELECT {held} FROM side_rows WHERE f = {f}").fetchall()[0]
-    run.side_tables[f] = (table, tuple(s for s, hit in zip(run.side_needles, flags, strict=True) if hit))
+    run.side_markers[f] = tuple(s for s, hit in zip(run.side_needles, flags, strict=True) if hit)
 
 
 def marker_lines(run: Run, f: int) -> Iterator[tuple[int, str]]:
-    """The side lines of file ``f`` that were in its lines table, in order, read a page at a time (a reader that
-    stops at the first few reads only those)."""
+    """The side lines of file ``f``, in order, read a page at a time (a reader that stops at the first few
+    reads only those)."""
     last, page = 0, 256
     while True:
         rows: list[tuple[int, str]] = run.con.execute(
@@ -321,10 +328,10 @@ def marker_lines(run: Run, f: int) -> Iterator[tuple[int, str]]:
         last, page = rows[-1][0], min(page * 4, 1 << 16)
 
 
-def _side_filtered(run: Run, f: int, numbered: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
-    """``numbered`` without the lines only a side needle kept; those with a side needle into
-    ``run.side_lines`` (decoded as the configuration scan decodes grep's lines)."""
-    side = run.side_lines.setdefault(f, [])
+def _side_filtered(run: Run, numbered: Iterable[tuple[int, bytes]], side: list[tuple[int, str]]
+                   ) -> Iterator[tuple[int, bytes]]:
+    """``numbered`` without the lines only a side needle kept; those with a side needle into ``side``
+    (decoded as the configuration scan decodes grep's lines)."""
     needles = [s.encode() for s in run.side_needles]
     for n, raw in numbered:
         if any(s in raw for s in needles):

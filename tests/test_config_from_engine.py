@@ -68,10 +68,7 @@ def _engine_lines(paths: list[str], side: bool) -> tuple[list[tuple[object, ...]
         run.side_needles = MARKERS
     try:
         engine.load_files(run)
-        side_lines = dict(run.side_lines)
-        for f in run.side_tables:
-            assert f not in side_lines
-            side_lines[f] = list(engine.marker_lines(run, f))
+        side_lines = {f: list(engine.marker_lines(run, f)) for f in run.side_markers}
         return run.con.execute("SELECT f, n, line FROM lines_vllm ORDER BY f, n").fetchall(), side_lines
     finally:
         run.con.close()
@@ -154,7 +151,7 @@ def test_marker_lines_read_in_pages_give_every_line_in_order() -> None:
         run.con.execute("INSERT INTO lines_proxy SELECT 0, n, CASE WHEN n % 3 = 0 THEN 'x ' || n || "
                         "' stale cache entry' WHEN n % 3 = 1 THEN 'no marker' END FROM range(1, 5000) t(n)")
         engine._keep_side_lines(run, 0, "lines_proxy")
-        assert run.side_tables[0] == ("lines_proxy", (MARKERS[3],))
+        assert run.side_markers[0] == (MARKERS[3],)
         every = run.con.execute("SELECT n, line FROM lines_proxy WHERE contains(line, 'stale cache entry') "
                                 "ORDER BY n").fetchall()
         assert len(every) > 1000  # several pages
