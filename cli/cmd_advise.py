@@ -44,18 +44,18 @@ def advise_cmd(logs: tuple[str, ...], as_json: bool, html_path: Path | None, dec
                router_ttl: float | None, kv_bytes_per_token: float | None, cache_dir: Path, no_cache: bool,
                no_progress: bool, events_only: bool) -> None:
     """Recommend the decode TTL and kv_recompute_threshold, and check the configuration, from LOGS."""
-    df, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
-    if df.empty:
+    table, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
+    if not table.num_rows:
         raise click.ClickException("no turns found in the given logs; check the paths (kvdiag explain --all LOGS "
                                    "names the files it could not recognise)")
-    adv = advise(df, decoder_ttl, config=cfg, router_ttl=router_ttl, bytes_per_token=kv_bytes_per_token)
+    adv = advise(table, decoder_ttl, config=cfg, router_ttl=router_ttl, bytes_per_token=kv_bytes_per_token)
     if as_json:
         click.echo(json.dumps(adv.to_json_dict(), indent=2))
     else:
         _print_advice(adv)
     if html_path is not None:
         with writing():
-            out = write_html_report(df, html_path, advice=adv)
+            out = write_html_report(table, html_path, advice=adv)
         click.echo(f"wrote {out}", err=as_json)
 
 

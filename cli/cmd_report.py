@@ -29,10 +29,10 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
            html_path: Path | None, decoder_ttl: float | None, wide: bool, width: int | None, cache_dir: Path,
            no_cache: bool, no_progress: bool, events_only: bool) -> None:
     """Outcome mix, TTFT reused vs recomputed, transfers and gaps, by turn and prompt length, from LOGS."""
-    df, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
+    table, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
     ttl = float(cfg.decoder_ttl.value) if cfg.decoder_ttl is not None else decoder_ttl
     try:
-        rep = build_report(df, ttl)
+        rep = build_report(table, ttl)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
     console = output_console(width, wide)
@@ -44,7 +44,7 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
         if html_path is not None:
             from kvdiag.diagnostics.html_report import write_html_report  # noqa: PLC0415 - only with --html
 
-            console.print(Text(f"wrote {write_html_report(df, html_path, decoder_ttl=ttl)}"))
+            console.print(Text(f"wrote {write_html_report(table, html_path, decoder_ttl=ttl)}"))
 
 
 COMMANDS = (report,)

@@ -8,12 +8,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
-import pandas as pd
+import pyarrow as pa
 from rich.console import Console
 
 from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
 from kvdiag.diagnostics.detect import LogReadError
-from kvdiag.diagnostics.report import ReportError, load_turn_table
+from kvdiag.diagnostics.report import ReportError, load_turn_arrow
 from kvdiag.diagnostics.report_cache import DEFAULT_CACHE_DIR
 from kvdiag.diagnostics.sources import stage_inputs
 from kvdiag.diagnostics.terminal_safe import printable, safe_console
@@ -45,8 +45,8 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 
 
 def load_table(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progress: bool, events_only: bool
-               ) -> tuple[pd.DataFrame, DeploymentConfig]:
-    """The turn table and the deployment's settings from LOGS, or a ClickException with the fix."""
+               ) -> tuple[pa.Table, DeploymentConfig]:
+    """The turn table (Arrow) and the deployment's settings from LOGS, or a ClickException with the fix."""
     cache = None if no_cache else cache_dir
     try:
         with stage_inputs(logs, mirror_dir=cache / "s3" if cache is not None else None) as staged:
@@ -55,9 +55,9 @@ def load_table(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progre
                 click.echo(f"note: skipped {staged.stats.corrupt} line(s) in no container log format"
                            f"{printable(first)}", err=True)
             with progress_bar(not no_progress and sys.stderr.isatty()) as update:
-                df = load_turn_table(staged, cache_dir=cache, progress=update, events_only=events_only,
-                                     config_lines=True)
-            return df, scan_config_cached(staged, cache)
+                table = load_turn_arrow(staged, cache_dir=cache, progress=update, events_only=events_only,
+                                        config_lines=True)
+            return table, scan_config_cached(staged, cache)
     except ReportError as exc:
         raise click.ClickException(printable(str(exc))) from None
     except (LogReadError, ExplainError) as exc:

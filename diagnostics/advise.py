@@ -17,7 +17,8 @@ import pandas as pd
 
 from kvdiag.diagnostics.advise_config import ConfigFact, DeploymentConfig
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.report import EXPIRY_SAFETY_MARGIN_S, build_turn_table
+from kvdiag.diagnostics.report import TurnData, as_frame, build_turn_table, open_turns
+from kvdiag.diagnostics.report_sections import EXPIRY_SAFETY_MARGIN_S
 from kvdiag.diagnostics.report_trims import EXPECTED_TRIMS, trim_summary
 from kvdiag.schema.verdicts import TRIM_INFO, TrimReason, Verdict
 
@@ -380,7 +381,8 @@ def _feature_checks(df: pd.DataFrame, later: pd.DataFrame, cfg: DeploymentConfig
 
 def reuse_checks(df: pd.DataFrame) -> list[Finding]:
     """Partial reuse (router events): wrongly loaded KV, and the fix for a trim reason that dominates."""
-    t = trim_summary(df)
+    with open_turns(df) as tt:
+        t = trim_summary(tt)
     out: list[Finding] = []
     if t.wrong_kv_tokens:
         out.append(Finding("wrong_kv", "error",
@@ -433,11 +435,11 @@ def _policy_checks(df: pd.DataFrame, cfg: DeploymentConfig) -> list[Finding]:
                     "Include P's log around a failed read, or check --kv-transfer-config.", data)]
 
 
-def advise(conversations: Sequence[ConversationRecord] | pd.DataFrame, decoder_ttl: float | None = None, *,
+def advise(conversations: Sequence[ConversationRecord] | TurnData, decoder_ttl: float | None = None, *,
            config: DeploymentConfig | None = None, router_ttl: float | None = None,
            bytes_per_token: float | None = None) -> Advice:
     """Advise from turns (records or the report's turn table); explicit TTL options override the logs."""
-    df = conversations if isinstance(conversations, pd.DataFrame) else build_turn_table(conversations)
+    df = build_turn_table(conversations) if isinstance(conversations, Sequence) else as_frame(conversations)
     cfg = config or DeploymentConfig()
     conflicts: list[Finding] = []
     # The logs are what the engines really ran with; an option only fills a gap (and a clash is reported).

@@ -6,37 +6,35 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from kvdiag.diagnostics import html_svg as svg
 from kvdiag.diagnostics.advise import Advice
 from kvdiag.diagnostics.records import ConversationRecord
-from kvdiag.diagnostics.report import Report, build_report, build_turn_table, gap_histogram
+from kvdiag.diagnostics.report import Report, TurnData, as_frame, build_report, build_turn_table
+from kvdiag.diagnostics.report_sections import Section, gap_histogram
 from kvdiag.schema.metrics import PROMPT_BUCKETS, TURN_BUCKETS
-from kvdiag.schema.verdicts import Verdict
 
 REUSED_COLOR = "#2e7d32"
 RECOMPUTED_COLOR = "#e53935"
 
 
-def _mix_counts(mix: pd.DataFrame) -> dict[str, dict[str, int]]:
-    verdict_cols = [c for c in mix.columns if c not in ("turns", "reused_share")]
-    return {str(b): {v: int(mix.at[b, v]) for v in verdict_cols} for b in mix.index}
+def _verdicts(mix: Section) -> list[str]:
+    return [c for c in mix.columns if c not in ("turns", "reused_share")]
 
 
-def _frame_rows(df: pd.DataFrame) -> list[list[Any]]:
-    # itertuples keeps each column's dtype (iterrows would turn counts into floats).
-    return [[None if pd.isna(v) else (v.item() if hasattr(v, "item") else v) for v in r]
-            for r in df.itertuples(index=True, name=None)]
+def _mix_counts(mix: Section) -> dict[str, dict[str, int]]:
+    return {str(b): {v: int(row[v]) for v in _verdicts(mix)} for b, row in mix.items()}
+
+
+def _rows(section: Section) -> list[list[Any]]:
+    return [[key, *values] for key, values in section.rows]
 
 
 def _ttft_chart(report: Report) -> str:
     values: dict[str, dict[str, svg.BarValue]] = {}
     for b in PROMPT_BUCKETS:
-        r = report.ttft.loc[b]
-        values[b] = {g: svg.BarValue(None if pd.isna(r[f"{g}_p50_ms"]) else float(r[f"{g}_p50_ms"]),
-                                     None if pd.isna(r[f"{g}_p95_ms"]) else float(r[f"{g}_p95_ms"]),
-                                     int(r[f"{g}_n"])) for g in ("reused", "recomputed")}
+        r = report.ttft_by_prompt.row(b) or {}
+        values[b] = {g: svg.BarValue(r.get(f"{g}_p50_ms"), r.get(f"{g}_p95_ms"), int(r.get(f"{g}_n") or 0))
+                     for g in ("reused", "recomputed")}
     return svg.grouped_bars("ttft-chart", PROMPT_BUCKETS, (("reused", REUSED_COLOR), ("recomputed", RECOMPUTED_COLOR)),
                             values, "TTFT ms (bar p50, whisker p95)", "TTFT")
 
@@ -55,7 +53,8 @@ def _gap_chart(report: Report, advice: Advice | None) -> str:
     top = max([ln[1] * 1.05 for ln in lines] + [0.0])
     edges, counts = g.histogram_edges_s, g.histogram_counts
     if edges and top > edges[-1]:
-        edges, counts = gap_histogram(report.table.loc[report.table["turn"] > 1, "gap_s"].dropna().tolist(), top)
+        df = as_frame(report.table)
+        edges, counts = gap_histogram(df.loc[df["turn"] > 1, "gap_s"].dropna().tolist(), top)
     return svg.histogram("gap-chart", edges, counts, "gap between turns (s)", "Inter-turn gaps", lines)
 
 
@@ -86,32 +85,33 @@ def _trims_html(report: Report) -> list[str]:
     parts = ["<h2>Partial reuse: D's tokens the router let P read, and why not all</h2>",
              svg.html_table(["turns with a handle", "D's tokens", "allowed", "reused", "trimmed turns",
                              "trimmed tokens", "wrong KV tokens", "mismatch tokens"], rows, "trim-totals-table")]
-    if len(t.by_reason):
-        parts.append(svg.html_table(["trim reason", *t.by_reason.columns], _frame_rows(t.by_reason), "trim-table"))
+    if len(t.reasons):
+        parts.append(svg.html_table(["trim reason", *t.reasons.columns], _rows(t.reasons), "trim-table"))
     return parts
 
 
 def render_report_html(report: Report, advice: Advice | None = None, title: str = "kvdiag report",
                        sections: Sequence[str] = ()) -> str:
     """The report as one self-contained HTML document; ``sections`` (markup) follow the summary line."""
-    df = report.table
-    seen = [v.value for v in Verdict if (df["verdict"] == v.value).any()]
+    seen = _verdicts(report.outcome_by_turn)
     g = report.gaps
-    meta = (f"{len(df):,} turns in {df['conversation_id'].nunique():,} conversations · "
-            f"later turns reused: {report.first_later.at['later', 'reused_share'] or 0:.1%}")
+    later = report.first_vs_later.row("later") or {}
+    meta = (f"{report.turns:,} turns in {report.conversations:,} conversations · "
+            f"later turns reused: {later.get('reused_share') or 0:.1%}")
     if g.share_over_ttl is not None:
         meta += f" · later turns after the decode TTL: {g.share_over_ttl:.1%}"
     body = [
-        f'<h1>{svg.esc(title)}</h1><p class="meta" id="summary" data-turns="{len(df)}">{svg.esc(meta)}</p>',
+        f'<h1>{svg.esc(title)}</h1><p class="meta" id="summary" data-turns="{report.turns}">{svg.esc(meta)}</p>',
         *sections,
         "<h2>Outcome mix by turn index</h2>", svg.legend(seen),
-        svg.stacked_share_bars("mix-turn-chart", TURN_BUCKETS, _mix_counts(report.by_turn), seen, "turn"),
+        svg.stacked_share_bars("mix-turn-chart", TURN_BUCKETS, _mix_counts(report.outcome_by_turn), seen, "turn"),
         "<h2>Outcome mix by prompt length (tokens)</h2>",
-        svg.stacked_share_bars("mix-prompt-chart", PROMPT_BUCKETS, _mix_counts(report.by_prompt), seen, "prompt"),
+        svg.stacked_share_bars("mix-prompt-chart", PROMPT_BUCKETS, _mix_counts(report.outcome_by_prompt), seen,
+                               "prompt"),
         "<h2>TTFT of later turns: reused vs recomputed</h2>",
         svg.legend_pairs([("reused", REUSED_COLOR), ("recomputed", RECOMPUTED_COLOR)]),
         _ttft_chart(report),
-        svg.html_table(["prompt", *report.ttft.columns], _frame_rows(report.ttft), "ttft-table"),
+        svg.html_table(["prompt", *report.ttft_by_prompt.columns], _rows(report.ttft_by_prompt), "ttft-table"),
         "<h2>Inter-turn gaps against the decode TTL</h2>", _gap_chart(report, advice),
         svg.html_table(["later turns", "gaps known", "p50 s", "p90 s", "p95 s", "p99 s", "share ≥ TTL",
                         "expired ratio", "missing-metadata ratio"],
@@ -119,9 +119,10 @@ def render_report_html(report: Report, advice: Advice | None = None, title: str 
                          g.quantiles_s["p99"], g.share_over_ttl, g.expired_ratio, g.missing_metadata_ratio]],
                        "gap-table"),
         "<h2>D→P transfers by prompt length</h2>",
-        svg.html_table(["prompt", *report.transfer.columns], _frame_rows(report.transfer), "transfer-table"),
+        svg.html_table(["prompt", *report.transfer_by_prompt.columns], _rows(report.transfer_by_prompt),
+                       "transfer-table"),
         "<h2>First turn vs later turns</h2>",
-        svg.html_table(["turns", *report.first_later.columns], _frame_rows(report.first_later), "first-later-table"),
+        svg.html_table(["turns", *report.first_vs_later.columns], _rows(report.first_vs_later), "first-later-table"),
         *_trims_html(report),
     ]
     if advice is not None:
@@ -129,7 +130,7 @@ def render_report_html(report: Report, advice: Advice | None = None, title: str 
     return svg.page(title, "\n".join(body))
 
 
-def write_html_report(conversations: Sequence[ConversationRecord] | pd.DataFrame, path: str | Path, *,
+def write_html_report(conversations: Sequence[ConversationRecord] | TurnData, path: str | Path, *,
                       decoder_ttl: float | None = None, advice: Advice | None = None,
                       title: str = "kvdiag report", sections: Sequence[str] = ()) -> Path:
     """Build the report from conversations (or a turn table) and write it as HTML; return the path.
@@ -138,10 +139,10 @@ def write_html_report(conversations: Sequence[ConversationRecord] | pd.DataFrame
     recommended TTLs to the gap plot and the advice section; ``sections`` (self-contained markup)
     come right after the summary line. The demo calls this at the end of its run.
     """
-    df = conversations if isinstance(conversations, pd.DataFrame) else build_turn_table(conversations)
+    table = build_turn_table(conversations) if isinstance(conversations, Sequence) else conversations
     if decoder_ttl is None and advice is not None:
         decoder_ttl = advice.ttl.current_s
-    report = build_report(df, decoder_ttl)
+    report = build_report(table, decoder_ttl)
     out = Path(path)
     out.write_text(render_report_html(report, advice, title, sections), encoding="utf-8")
     return out

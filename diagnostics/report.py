@@ -1,36 +1,51 @@
 """`kvdiag report`: the per-turn table and its aggregations (outcome mix, TTFT, transfers, gaps).
 
-Library first: :func:`build_turn_table` turns ConversationRecords into one pandas row per turn;
-every aggregation is a pure function of that table, so the CLI, the HTML report, ``advise`` and
-the Parquet cache all share it. Buckets come from kvdiag.schema.metrics (same labels as metrics).
+Library first: :func:`load_turn_table` gives one pandas row per turn (:func:`build_turn_table` the same from
+ConversationRecords); every section of the report is a pure function of that table (report_sections), so the
+CLI, the HTML report and the JSON document share it. The CLI keeps the table in Arrow and never loads pandas
+(a third of its start-up). Buckets come from kvdiag.schema.metrics (same labels as metrics).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import duckdb
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from kvdiag.diagnostics import report_cache
 from kvdiag.diagnostics.detect import LogReadError, detect
 from kvdiag.diagnostics.records import ConversationRecord
+from kvdiag.diagnostics.report_sections import (
+    GapSummary,
+    Section,
+    TurnTable,
+    first_later_section,
+    outcome_mix_section,
+    summarize_gaps,
+    totals,
+    transfer_section,
+    ttft_section,
+)
 from kvdiag.diagnostics.report_trims import TrimSummary, trim_summary
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.diagnostics.turn_loader import UnreadableLogError, run_all
 from kvdiag.schema.errors import KVDiagError
-from kvdiag.schema.metrics import _PROMPT_EDGES, MISSING_METADATA_REASONS, PROMPT_BUCKETS, TURN_BUCKETS
+from kvdiag.schema.metrics import _PROMPT_EDGES, MISSING_METADATA_REASONS, PROMPT_BUCKETS
 from kvdiag.schema.verdicts import ELIGIBLE_VERDICTS, REUSED_VERDICTS, Verdict
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from kvdiag.diagnostics.verdict_engine import Run
+
+# The turn table as the library gives it (pandas) or as the CLI keeps it (Arrow); every report function takes both.
+TurnData: TypeAlias = "pd.DataFrame | pa.Table"
 
 # Bump when the table's columns (or how a path fills them) change: it is part of the Parquet cache key.
 # 2: the DuckDB path's reasons, confidence, statuses and unknown gaps now equal the parser's.
@@ -58,10 +73,6 @@ _STR_COLUMNS: Final = ("conversation_id", "turn_bucket", "prompt_bucket", "verdi
 
 _TRIM_COLUMNS: Final = ("handle_tokens", "reuse_limit_tokens", "trimmed_tokens", "trim_reason", "wrong_kv_tokens",
                         "mismatch_tokens")
-EXPIRED_VERDICTS: Final = frozenset({Verdict.EXPIRED_REMOTE_READ, Verdict.ROUTER_ENTRY_EXPIRED})
-# vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN: P declines a read whose deadline is within 5 s.
-EXPIRY_SAFETY_MARGIN_S: Final = 5.0
-GAP_HISTOGRAM_BINS: Final = 30
 
 
 class ReportError(KVDiagError):
@@ -116,10 +127,21 @@ def derive_sql(source: str, key: str | None = None, prev: str | None = None) -> 
 
 
 def _derive(con: duckdb.DuckDBPyConnection, source: str, key: str | None = None, prev: str | None = None
-            ) -> pd.DataFrame:
+            ) -> pa.Table:
+    return con.sql(derive_sql(source, key, prev)).to_arrow_table()
+
+
+def table_frame(table: pa.Table) -> pd.DataFrame:
+    """The turn table as pandas, with the stable dtypes of :func:`normalize_table`."""
+    import pandas as pd  # noqa: PLC0415 - the terminal report runs without pandas
+
     # nullable integers straight from Arrow (no float round trip for normalize_table to undo)
-    table = con.sql(derive_sql(source, key, prev)).to_arrow_table()
     return normalize_table(table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get))
+
+
+def as_frame(table: TurnData) -> pd.DataFrame:
+    """``table`` as pandas (a DataFrame is returned as it is)."""
+    return table_frame(table) if isinstance(table, pa.Table) else table
 
 
 def build_turn_table(conversations: Iterable[ConversationRecord]) -> pd.DataFrame:
@@ -138,13 +160,15 @@ def build_turn_table(conversations: Iterable[ConversationRecord]) -> pd.DataFram
     con = duckdb.connect()
     try:
         con.register("raw_turns", raw)
-        return _derive(con, "raw_turns")
+        return table_frame(_derive(con, "raw_turns"))
     finally:
         con.close()
 
 
 def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
     """Give the table stable dtypes (nullable ints, floats, strings) whatever its origin."""
+    import pandas as pd  # noqa: PLC0415
+
     missing = [c for c in TABLE_COLUMNS if c not in df.columns]
     if missing:
         raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
@@ -164,207 +188,99 @@ def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Aggregations: pure functions of the turn table.
-
-def _quantile(series: pd.Series, q: float) -> float | None:
-    s = series.dropna()
-    return float(s.quantile(q)) if len(s) else None
-
-
-def outcome_mix(df: pd.DataFrame, by: str) -> pd.DataFrame:
-    """Turn counts per verdict (columns) for each bucket of ``by`` (turn_bucket or prompt_bucket)."""
-    order = TURN_BUCKETS if by == "turn_bucket" else PROMPT_BUCKETS if by == "prompt_bucket" else None
-    if order is None:
-        raise ValueError(f"outcome_mix groups by turn_bucket or prompt_bucket, not {by!r}")
-    verdicts = [v.value for v in Verdict]
-    sub = df[[by, "verdict"]].dropna(subset=[by])
-    # groupby-size, not crosstab: the same counts in a third of the time on a million-turn table
-    table = sub.groupby([by, "verdict"]).size().unstack(fill_value=0) if len(sub) else pd.DataFrame()
-    table = table.reindex(index=list(order), columns=verdicts, fill_value=0).fillna(0).astype("int64")
-    table = table.loc[:, (table.sum(axis=0) > 0).to_numpy()] if len(sub) else table.iloc[:, :0]
-    table.index.name = by
-    table.insert(0, "turns", table.sum(axis=1))
-    reused = [c for c in table.columns if c in {v.value for v in REUSED_VERDICTS}]
-    table["reused_share"] = (table[reused].sum(axis=1) / table["turns"].where(table["turns"] > 0)).round(4)
-    return table
-
-
-def ttft_by_bucket(df: pd.DataFrame) -> pd.DataFrame:
-    """TTFT p50/p95 of later turns, reused vs recomputed, per prompt-length bucket (the article's table)."""
-    # Narrow the frame before any mask: copying unused (string) columns dominates on big tables.
-    cols = df[["turn", "ttft_ms", "prompt_bucket", "reused"]]
-    later = cols[(cols["turn"] > 1) & cols["ttft_ms"].notna() & cols["prompt_bucket"].notna()]
-    # One grouping pass instead of a string mask per bucket; each group's quantile is Series.quantile.
-    groups = {key: part for key, part in later.groupby(["prompt_bucket", "reused"])["ttft_ms"]}
-    empty = pd.Series([], dtype="float64")
-    rows = []
-    for bucket in PROMPT_BUCKETS:
-        row: dict[str, Any] = {"prompt_bucket": bucket}
-        for label, reused in (("reused", True), ("recomputed", False)):
-            part = groups.get((bucket, reused), empty)
-            row[f"{label}_n"] = len(part)
-            row[f"{label}_p50_ms"] = _quantile(part, 0.5)
-            row[f"{label}_p95_ms"] = _quantile(part, 0.95)
-        p_re, p_rc = row["reused_p50_ms"], row["recomputed_p50_ms"]
-        row["speedup_p50"] = round(p_rc / p_re, 2) if p_re and p_rc else None
-        rows.append(row)
-    return pd.DataFrame(rows).set_index("prompt_bucket")
-
-
-def transfer_by_bucket(df: pd.DataFrame) -> pd.DataFrame:
-    """D→P transfer bytes and milliseconds per prompt-length bucket (turns that read from D)."""
-    cols = df[["transfer_bytes", "transfer_ms", "prompt_bucket"]]
-    xfer = cols[cols["transfer_bytes"].notna() & (cols["transfer_bytes"] > 0) & cols["prompt_bucket"].notna()]
-    groups = {key: part for key, part in xfer.groupby("prompt_bucket")}
-    rows = []
-    for bucket in PROMPT_BUCKETS:
-        b = groups.get(bucket, xfer.iloc[:0])
-        rows.append({
-            "prompt_bucket": bucket, "transfers": len(b),
-            "bytes_p50": _quantile(b["transfer_bytes"].astype("float64"), 0.5),
-            "bytes_total": int(b["transfer_bytes"].sum()) if len(b) else 0,
-            "ms_p50": _quantile(b["transfer_ms"], 0.5), "ms_p95": _quantile(b["transfer_ms"], 0.95),
-        })
-    return pd.DataFrame(rows).set_index("prompt_bucket")
-
-
-def first_vs_later(df: pd.DataFrame) -> pd.DataFrame:
-    """First turns (nothing to retrieve) against later turns: counts, reuse share, TTFT."""
-    rows = []
-    cols = df[["turn", "reused", "ttft_ms", "prompt_tokens"]]
-    for label, part in (("first", cols[cols["turn"] == 1]), ("later", cols[cols["turn"] > 1])):
-        n = len(part)
-        rows.append({
-            "turns": label, "n": n, "reused_share": round(float(part["reused"].mean()), 4) if n else None,
-            "ttft_p50_ms": _quantile(part["ttft_ms"], 0.5), "ttft_p95_ms": _quantile(part["ttft_ms"], 0.95),
-            "prompt_tokens_p50": _quantile(part["prompt_tokens"].astype("float64"), 0.5),
-        })
-    return pd.DataFrame(rows).set_index("turns")
-
-
-@dataclass
-class GapSummary:
-    """Inter-turn gaps against the decode TTL, and the expired / missing-metadata ratios."""
-
-    later_turns: int
-    gaps_known: int
-    decoder_ttl_s: float | None
-    quantiles_s: dict[str, float | None]
-    share_over_ttl: float | None
-    share_within_margin: float | None
-    expired_ratio: float | None
-    missing_metadata_ratio: float | None
-    missing_metadata_reasons: dict[str, int]
-    histogram_edges_s: list[float] = field(default_factory=list)
-    histogram_counts: list[int] = field(default_factory=list)
-
-    def to_json_dict(self) -> dict[str, Any]:
-        """JSON form (report --json ``gaps``)."""
-        return dict(self.__dict__)
-
-
-def gap_histogram(gaps: Sequence[float] | np.ndarray, ttl: float | None,
-                  bins: int = GAP_HISTOGRAM_BINS) -> tuple[list[float], list[int]]:
-    """Equal-width bins from 0 to max(gaps, 1.1 × TTL), so the TTL line always falls inside the plot."""
-    values = np.asarray(gaps, dtype="float64")
-    if not len(values):
-        return [], []
-    top = max(float(values.max()), (ttl or 0.0) * 1.1, 1e-9)
-    width = top / bins
-    idx = np.minimum((values / width).astype("int64"), bins - 1)
-    counts = np.bincount(idx, minlength=bins)
-    return [round(i * width, 6) for i in range(bins + 1)], [int(c) for c in counts]
-
-
-def gap_summary(df: pd.DataFrame, decoder_ttl_s: float | None) -> GapSummary:
-    """Summarize later turns' gaps against ``decoder_ttl_s`` (None: TTL unknown, shares omitted)."""
-    cols = df[["turn", "gap_s", "verdict", "metadata_reason"]]
-    later = cols[cols["turn"] > 1]
-    gaps = later["gap_s"].dropna()
-    n_later, n_gaps = len(later), len(gaps)
-    over = within = None
-    if decoder_ttl_s is not None and n_gaps:
-        over = round(float((gaps >= decoder_ttl_s).mean()), 4)
-        within = round(float((gaps >= decoder_ttl_s - EXPIRY_SAFETY_MARGIN_S).mean()), 4)
-    verdicts = later["verdict"].astype(str)
-    expired = round(float(verdicts.isin({v.value for v in EXPIRED_VERDICTS}).mean()), 4) if n_later else None
-    missing = verdicts == Verdict.METADATA_NOT_RETURNED.value
-    reasons = later.loc[missing, "metadata_reason"].fillna("unknown").astype(str).value_counts()
-    edges, counts = gap_histogram(gaps.to_numpy(dtype="float64"), decoder_ttl_s)
-    return GapSummary(
-        later_turns=n_later, gaps_known=n_gaps, decoder_ttl_s=decoder_ttl_s,
-        quantiles_s={f"p{int(q * 100)}": _quantile(gaps, q) for q in (0.5, 0.9, 0.95, 0.99)},
-        share_over_ttl=over, share_within_margin=within, expired_ratio=expired,
-        missing_metadata_ratio=round(float(missing.mean()), 4) if n_later else None,
-        missing_metadata_reasons={str(k): int(v) for k, v in reasons.items()},
-        histogram_edges_s=edges, histogram_counts=counts,
-    )
-
-
 @dataclass
 class Report:
-    """Everything `kvdiag report` prints and writes, computed from one turn table."""
+    """Everything `kvdiag report` prints and writes, computed from one turn table. The sections are small
+    tables (report_sections.Section); ``by_turn``, ``ttft`` and the others give them as DataFrames."""
 
-    table: pd.DataFrame
-    by_turn: pd.DataFrame
-    by_prompt: pd.DataFrame
-    ttft: pd.DataFrame
-    transfer: pd.DataFrame
-    first_later: pd.DataFrame
+    table: TurnData
+    turns: int
+    conversations: int
+    outcome_by_turn: Section
+    outcome_by_prompt: Section
+    ttft_by_prompt: Section
+    transfer_by_prompt: Section
+    first_vs_later: Section
     gaps: GapSummary
     trims: TrimSummary
 
     @property
-    def sections(self) -> list[tuple[str, pd.DataFrame]]:
+    def by_turn(self) -> pd.DataFrame:
+        """Turn counts per verdict by turn index (index turn_bucket)."""
+        return self.outcome_by_turn.to_pandas()
+
+    @property
+    def by_prompt(self) -> pd.DataFrame:
+        """Turn counts per verdict by prompt length (index prompt_bucket)."""
+        return self.outcome_by_prompt.to_pandas()
+
+    @property
+    def ttft(self) -> pd.DataFrame:
+        """TTFT p50/p95 of later turns, reused vs recomputed, by prompt length."""
+        return self.ttft_by_prompt.to_pandas()
+
+    @property
+    def transfer(self) -> pd.DataFrame:
+        """D→P transfer sizes and times by prompt length."""
+        return self.transfer_by_prompt.to_pandas()
+
+    @property
+    def first_later(self) -> pd.DataFrame:
+        """First turns against later turns."""
+        return self.first_vs_later.to_pandas()
+
+    @property
+    def sections(self) -> list[tuple[str, Section]]:
         """The titled tables, in print order."""
         return [
-            ("Outcome mix by turn index", self.by_turn),
-            ("Outcome mix by prompt length (tokens)", self.by_prompt),
-            ("TTFT of later turns: reused vs recomputed (ms)", self.ttft),
-            ("D→P transfers by prompt length", self.transfer),
-            ("First turn vs later turns", self.first_later),
-            ("Partial reuse: D's tokens trimmed, by reason", self.trims.by_reason),
+            ("Outcome mix by turn index", self.outcome_by_turn),
+            ("Outcome mix by prompt length (tokens)", self.outcome_by_prompt),
+            ("TTFT of later turns: reused vs recomputed (ms)", self.ttft_by_prompt),
+            ("D→P transfers by prompt length", self.transfer_by_prompt),
+            ("First turn vs later turns", self.first_vs_later),
+            ("Partial reuse: D's tokens trimmed, by reason", self.trims.reasons),
         ]
 
     def to_json_dict(self) -> dict[str, Any]:
         """The report --json document (see docs/report.md)."""
-        def frame(df: pd.DataFrame) -> list[dict[str, Any]]:
-            return [_clean_row(r) for r in df.reset_index().to_dict(orient="records")]
         return {
-            "turns": len(self.table),
-            "conversations": int(self.table["conversation_id"].nunique()),
-            "outcome_by_turn": frame(self.by_turn),
-            "outcome_by_prompt": frame(self.by_prompt),
-            "ttft_by_prompt": frame(self.ttft),
-            "transfer_by_prompt": frame(self.transfer),
-            "first_vs_later": frame(self.first_later),
+            "turns": self.turns,
+            "conversations": self.conversations,
+            "outcome_by_turn": self.outcome_by_turn.records(),
+            "outcome_by_prompt": self.outcome_by_prompt.records(),
+            "ttft_by_prompt": self.ttft_by_prompt.records(),
+            "transfer_by_prompt": self.transfer_by_prompt.records(),
+            "first_vs_later": self.first_vs_later.records(),
             "gaps": self.gaps.to_json_dict(),
             "trims": self.trims.to_json_dict(),
         }
 
 
-def _clean_row(row: dict[str, Any]) -> dict[str, Any]:
-    # JSON has no NaN: missing statistics become null; numpy scalars become Python numbers.
-    out: dict[str, Any] = {}
-    for k, v in row.items():
-        if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
-            out[str(k)] = None
-        elif hasattr(v, "item"):
-            out[str(k)] = v.item()
-        else:
-            out[str(k)] = v
-    return out
+# The columns the sections read (a DataFrame is handed to DuckDB with these alone).
+_SECTION_COLUMNS: Final = ("conversation_id", "turn", "turn_bucket", "prompt_tokens", "prompt_bucket", "verdict",
+                           "reused", "ttft_ms", "remote_tokens", "transfer_bytes", "transfer_ms", "gap_s",
+                           "metadata_reason", *_TRIM_COLUMNS)
 
 
-def build_report(df: pd.DataFrame, decoder_ttl_s: float | None = None) -> Report:
-    """Compute every report section from the turn table."""
-    if df.empty:
-        raise ReportError("no turns found in the given logs; check the paths (kvdiag explain --all LOGS names the "
-                          "files it could not recognise)")
-    return Report(table=df, by_turn=outcome_mix(df, "turn_bucket"), by_prompt=outcome_mix(df, "prompt_bucket"),
-                  ttft=ttft_by_bucket(df), transfer=transfer_by_bucket(df), first_later=first_vs_later(df),
-                  gaps=gap_summary(df, decoder_ttl_s), trims=trim_summary(df))
+def open_turns(table: TurnData) -> TurnTable:
+    """The turn table opened for the sections' queries (a DataFrame is handed over with the columns they read)."""
+    if isinstance(table, pa.Table):
+        return TurnTable(table)
+    return TurnTable(pa.Table.from_pandas(normalize_table(table).loc[:, list(_SECTION_COLUMNS)], preserve_index=False))
+
+
+def build_report(table: TurnData, decoder_ttl_s: float | None = None) -> Report:
+    """Compute every report section from the turn table (a DataFrame, or the Arrow table the CLI keeps)."""
+    with open_turns(table) as tt:
+        turns, conversations = totals(tt)
+        if not turns:
+            raise ReportError("no turns found in the given logs; check the paths (kvdiag explain --all LOGS names "
+                              "the files it could not recognise)")
+        return Report(table=table, turns=turns, conversations=conversations,
+                      outcome_by_turn=outcome_mix_section(tt, "turn_bucket"),
+                      outcome_by_prompt=outcome_mix_section(tt, "prompt_bucket"), ttft_by_prompt=ttft_section(tt),
+                      transfer_by_prompt=transfer_section(tt), first_vs_later=first_later_section(tt),
+                      gaps=summarize_gaps(tt, decoder_ttl_s), trims=trim_summary(tt))
 
 
 def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Path | None = None,
@@ -380,6 +296,14 @@ def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Pa
     ``config_lines``: the logs' configuration lines are kept, as they are read, for the next
     kvdiag.diagnostics.advise_config.scan_config of the same files (which then reads them no second time).
     ``s3://`` objects are mirrored under ``cache_dir/s3`` (reused while their ETag holds)."""
+    return table_frame(load_turn_arrow(paths, cache_dir=cache_dir, progress=progress, events_only=events_only,
+                                       config_lines=config_lines))
+
+
+def load_turn_arrow(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Path | None = None,
+                    progress: Callable[[int, int], None] | None = None,
+                    events_only: bool = False, config_lines: bool = False) -> pa.Table:
+    """:func:`load_turn_table` as an Arrow table (what build_report reads without pandas)."""
     if isinstance(paths, StagedInputs):
         return _load_staged(paths, cache_dir, progress, events_only, config_lines)
     mirror_dir = cache_dir / "s3" if cache_dir is not None else None
@@ -388,7 +312,7 @@ def load_turn_table(paths: Sequence[str | Path] | StagedInputs, *, cache_dir: Pa
 
 
 def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callable[[int, int], None] | None,
-                 events_only: bool, config_lines: bool) -> pd.DataFrame:
+                 events_only: bool, config_lines: bool) -> pa.Table:
     # The cache is keyed by the inputs as given (a wrapped log's own path, size and mtime; an object's
     # mirrored copy), so a hit needs no unwrapping; the files read are the staged ones.
     key = list(staged.identity)
@@ -401,15 +325,19 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
     if cache_dir is not None:
         cached = report_cache.load_cached_table(key, cache_dir, TABLE_VERSION)
         if cached is not None:
-            return normalize_table(cached)
+            missing = [c for c in TABLE_COLUMNS if c not in cached.column_names]
+            if missing:
+                raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
+            return cached
     if not events_only:
         files = staged.paths  # wrapped inputs are unwrapped here, on a miss only
-    df = engine_table(files, progress, config_lines=config_lines)
-    if staged.renamed and len(df):
-        df["reason"] = [staged.display(r) for r in df["reason"]]
+    table = engine_table(files, progress, config_lines=config_lines)
+    if staged.renamed and table.num_rows:
+        reasons = [staged.display(r) for r in table.column("reason").to_pylist()]
+        table = table.set_column(table.column_names.index("reason"), "reason", pa.array(reasons, pa.string()))
     if cache_dir is not None:
-        report_cache.store_cached_table(df, key, cache_dir, TABLE_VERSION)
-    return df
+        report_cache.store_cached_table(table, key, cache_dir, TABLE_VERSION)
+    return table
 
 
 _ENGINE_RAW: Final = ", ".join(
@@ -418,7 +346,7 @@ _ENGINE_RAW: Final = ", ".join(
 
 
 def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | None = None, *,
-                 config_lines: bool = False) -> pd.DataFrame:
+                 config_lines: bool = False) -> pa.Table:
     """The turn table of ``files`` (local, bare) from the verdict engine (the rules explain applies);
     ``config_lines`` as for load_turn_table."""
     try:
@@ -432,7 +360,7 @@ def engine_table(files: Sequence[str], progress: Callable[[int, int], None] | No
         run.con.close()
 
 
-def _engine_run_table(run: Run) -> pd.DataFrame:
+def _engine_run_table(run: Run) -> pa.Table:
     """The turn table of a run the engine has decided."""
     # the benchmark's own clock gives a gap to 3 decimals as Python rounds it (explain's records do the same);
     # the rounded gaps are joined in by the turn's key (copying a million wide rows to update them costs a second)
@@ -441,8 +369,9 @@ def _engine_run_table(run: Run) -> pd.DataFrame:
     rounded = run.con.sql("SELECT sid, gap_s FROM raw_turns_view WHERE client_gap_used").to_arrow_table()
     if not rounded.num_rows:
         return _derive(run.con, "raw_turns_view", "sid", "prev_sid")
-    gap_fix = rounded.set_column(1, "gap_s", pa.array([None if g is None else round(g, 3)
-                                                       for g in rounded.column(1).to_pylist()], pa.float64()))
+    # (client_gap_used: never NULL; an array built from Python objects would make pyarrow import pandas)
+    gaps = np.array([round(g, 3) for g in rounded.column(1).to_pylist()], dtype=np.float64)
+    gap_fix = rounded.set_column(1, "gap_s", pa.Array.from_buffers(pa.float64(), len(gaps), [None, pa.py_buffer(gaps)]))
     run.con.register("gap_fix", gap_fix)
     source = ("(SELECT v.* REPLACE (CASE WHEN v.client_gap_used THEN g.gap_s ELSE v.gap_s END AS gap_s) "
               "FROM raw_turns_view v LEFT JOIN gap_fix g ON g.sid = v.sid)")
@@ -454,10 +383,10 @@ def write_outputs(report: Report, *, csv: Path | None = None, parquet_path: Path
     """Write the per-turn table (CSV/Parquet) and the aggregated JSON; return the paths written."""
     written: list[Path] = []
     if csv is not None:
-        report.table.to_csv(csv, index=False)
+        as_frame(report.table).to_csv(csv, index=False)
         written.append(csv)
     if parquet_path is not None:
-        report_cache.write_table(report.table, parquet_path)
+        report_cache.write_table(as_frame(report.table), parquet_path)
         written.append(parquet_path)
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_json_dict(), indent=2) + "\n", encoding="utf-8")

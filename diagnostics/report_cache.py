@@ -12,11 +12,14 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-import pandas as pd
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +43,27 @@ def cache_path(paths: Sequence[str | Path], cache_dir: Path, version: int) -> Pa
     return cache_dir / f"turns-{cache_key(paths, version)}.parquet"
 
 
-def write_table(df: pd.DataFrame, path: Path) -> None:
-    """Write the turn table as Parquet (zstd), atomically (temp file then rename)."""
+def write_table(table: pa.Table | pd.DataFrame, path: Path) -> None:
+    """Write the turn table (Arrow or pandas) as Parquet (zstd), atomically (temp file then rename)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), tmp, compression="zstd")
+    arrow = table if isinstance(table, pa.Table) else pa.Table.from_pandas(table, preserve_index=False)
+    pq.write_table(arrow, tmp, compression="zstd")
     tmp.replace(path)
 
 
-def read_table(path: Path) -> pd.DataFrame:
+def read_table(path: Path) -> pa.Table:
     """Read a turn table written by :func:`write_table`."""
-    return pq.read_table(path).to_pandas()
+    # (read by DuckDB: pyarrow's reader imports pandas, a third of a cached report's run)
+    con = duckdb.connect()
+    try:
+        return con.sql("SELECT * FROM read_parquet($p)", params={"p": str(path)}).to_arrow_table()
+    except duckdb.Error as exc:
+        raise OSError(f"unreadable Parquet file {path}: {exc}") from None
+    finally:
+        con.close()
 
 
-def load_cached_table(paths: Sequence[str | Path], cache_dir: Path, version: int) -> pd.DataFrame | None:
+def load_cached_table(paths: Sequence[str | Path], cache_dir: Path, version: int) -> pa.Table | None:
     """Return the cached table for ``paths``, or None on a miss or an unreadable cache file."""
     target = cache_path(paths, cache_dir, version)
     if not target.exists():
@@ -65,13 +76,13 @@ def load_cached_table(paths: Sequence[str | Path], cache_dir: Path, version: int
         return None
 
 
-def store_cached_table(df: pd.DataFrame, paths: Sequence[str | Path], cache_dir: Path,
+def store_cached_table(table: pa.Table | pd.DataFrame, paths: Sequence[str | Path], cache_dir: Path,
                        version: int) -> Path | None:
-    """Cache ``df`` for ``paths``; return its path, or None when the cache dir is not writable."""
+    """Cache ``table`` for ``paths``; return its path, or None when the cache dir is not writable."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         target = cache_path(paths, cache_dir, version)
-        write_table(df, target)
+        write_table(table, target)
     except OSError as exc:
         log.warning("cannot write the report cache under %s: %s", cache_dir, exc)
         return None

@@ -10,11 +10,13 @@ check refused). A pure function of the table, as every report aggregation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import pandas as pd
-
+from kvdiag.diagnostics.report_sections import Section, TurnTable
 from kvdiag.schema.verdicts import TRIM_INFO, TrimReason
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # A reason "dominates" when it accounts for at least this share of the trimmed tokens.
 DOMINANT_SHARE: Final = 0.5
@@ -36,8 +38,13 @@ class TrimSummary:
     trimmed_tokens: int
     wrong_kv_tokens: int | None  # None: no event stated it
     mismatch_tokens: int | None
-    by_reason: pd.DataFrame = field(default_factory=pd.DataFrame)
+    reasons: Section = field(default_factory=lambda: Section("trim_reason", BY_REASON_COLUMNS, ()))
     dominant: str | None = None
+
+    @property
+    def by_reason(self) -> pd.DataFrame:
+        """The trimmed tokens by reason as a DataFrame (index trim_reason, most tokens first)."""
+        return self.reasons.to_pandas()
 
     @property
     def trimmed_share(self) -> float | None:
@@ -51,50 +58,36 @@ class TrimSummary:
 
     def to_json_dict(self) -> dict[str, Any]:
         """The report --json ``trims`` object."""
-        rows = [{"trim_reason": str(idx), "turns": int(r["turns"]), "trimmed_tokens": int(r["trimmed_tokens"]),
-                 "share_of_trimmed": float(r["share_of_trimmed"]), "summary": str(r["summary"]), "fix": str(r["fix"])}
-                for idx, r in self.by_reason.iterrows()]
         return {"handle_turns": self.handle_turns, "handle_tokens": self.handle_tokens,
                 "reuse_limit_tokens": self.reuse_limit_tokens, "reused_tokens": self.reused_tokens,
                 "trimmed_turns": self.trimmed_turns, "trimmed_tokens": self.trimmed_tokens,
                 "trimmed_share": self.trimmed_share, "wrong_kv_tokens": self.wrong_kv_tokens,
                 "mismatch_tokens": self.mismatch_tokens, "dominant": self.dominant,
-                "dominant_fix": self.dominant_fix, "by_reason": rows}
+                "dominant_fix": self.dominant_fix, "by_reason": self.reasons.records()}
 
 
-def _total(series: pd.Series) -> int:
-    return int(series.fillna(0).sum())
-
-
-def _known_total(series: pd.Series) -> int | None:
-    known = series.dropna()
-    return int(known.sum()) if len(known) else None
-
-
-def trim_summary(df: pd.DataFrame) -> TrimSummary:
+def trim_summary(tt: TurnTable) -> TrimSummary:
     """Summarize partial reuse over the turns whose router event states D's handle."""
-    cols = df[["handle_tokens", "reuse_limit_tokens", "trimmed_tokens", "trim_reason", "remote_tokens",
-               "wrong_kv_tokens", "mismatch_tokens"]]
-    handled = cols[cols["handle_tokens"].notna()]
-    reasons = handled["trim_reason"]
-    trimmed = handled[reasons.notna() & (reasons.astype(str) != "")]
-    total_trimmed = _total(handled["trimmed_tokens"])
-    rows: list[dict[str, Any]] = []
-    for reason, part in trimmed.groupby("trim_reason", sort=False):
+    handled = "handle_tokens IS NOT NULL"
+    trimmed = f"{handled} AND trim_reason IS NOT NULL AND trim_reason <> ''"
+    (turns, handle, limit, reused, n_trimmed, tokens, wrong, mismatch), = tt.rows(
+        f"""SELECT count(*) FILTER (WHERE {handled}), coalesce(sum(handle_tokens), 0),
+                   coalesce(sum(reuse_limit_tokens) FILTER (WHERE {handled}), 0),
+                   coalesce(sum(remote_tokens) FILTER (WHERE {handled}), 0), count(*) FILTER (WHERE {trimmed}),
+                   coalesce(sum(trimmed_tokens) FILTER (WHERE {handled}), 0), sum(wrong_kv_tokens),
+                   sum(mismatch_tokens) FROM t""")
+    total = int(tokens)
+    rows = []
+    for reason, n, part in tt.rows(f"SELECT trim_reason, count(*), coalesce(sum(trimmed_tokens), 0) FROM t "
+                                   f"WHERE {trimmed} GROUP BY 1"):
         info = TRIM_INFO[TrimReason(str(reason))]
-        tokens = _total(part["trimmed_tokens"])
-        rows.append({"trim_reason": str(reason), "turns": len(part), "trimmed_tokens": tokens,
-                     "share_of_trimmed": round(tokens / total_trimmed, 4) if total_trimmed else 0.0,
-                     "summary": info.summary, "fix": info.fix})
-    by_reason = (pd.DataFrame(rows, columns=["trim_reason", *BY_REASON_COLUMNS])
-                 .sort_values(["trimmed_tokens", "turns", "trim_reason"], ascending=[False, False, True])
-                 .set_index("trim_reason"))
-    dominant = None
-    if len(by_reason) and float(by_reason["share_of_trimmed"].iloc[0]) >= DOMINANT_SHARE:
-        dominant = str(by_reason.index[0])
+        rows.append((str(reason), (int(n), int(part), round(int(part) / total, 4) if total else 0.0, info.summary,
+                                   info.fix)))
+    rows.sort(key=lambda r: (-r[1][1], -r[1][0], r[0]))
+    dominant = rows[0][0] if rows and rows[0][1][2] >= DOMINANT_SHARE else None
     return TrimSummary(
-        handle_turns=len(handled), handle_tokens=_total(handled["handle_tokens"]),
-        reuse_limit_tokens=_total(handled["reuse_limit_tokens"]), reused_tokens=_total(handled["remote_tokens"]),
-        trimmed_turns=len(trimmed), trimmed_tokens=total_trimmed,
-        wrong_kv_tokens=_known_total(cols["wrong_kv_tokens"]), mismatch_tokens=_known_total(cols["mismatch_tokens"]),
-        by_reason=by_reason, dominant=dominant)
+        handle_turns=int(turns), handle_tokens=int(handle), reuse_limit_tokens=int(limit), reused_tokens=int(reused),
+        trimmed_turns=int(n_trimmed), trimmed_tokens=total,
+        wrong_kv_tokens=None if wrong is None else int(wrong),
+        mismatch_tokens=None if mismatch is None else int(mismatch),
+        reasons=Section("trim_reason", BY_REASON_COLUMNS, tuple(rows)), dominant=dominant)

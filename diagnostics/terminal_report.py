@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
-import pandas as pd
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -25,6 +24,7 @@ from kvdiag.diagnostics.humanize import (
     human_share,
 )
 from kvdiag.diagnostics.report import Report
+from kvdiag.diagnostics.report_sections import Section
 from kvdiag.diagnostics.terminal import cell, compact_table
 
 Fmt = Callable[[Any], str]
@@ -46,41 +46,40 @@ _TRIMS: Final[tuple[tuple[str, str, Fmt], ...]] = (
 
 
 def _value(v: Any) -> Any:
-    return None if v is None or v is pd.NA or (isinstance(v, float) and v != v) else v
+    return None if v is None or (isinstance(v, float) and v != v) else v
 
 
-def _section(title: str, df: pd.DataFrame, index_header: str, spec: tuple[tuple[str, str, Fmt], ...],
-             keep: Callable[[pd.Series], bool] | None = None) -> Table:
+def _section(title: str, section: Section, index_header: str, spec: tuple[tuple[str, str, Fmt], ...],
+             keep: Callable[[dict[str, Any]], bool] | None = None) -> Table:
     table = compact_table(Text(title, style="bold"))
     table.add_column(index_header, no_wrap=True)
-    cols = [(c, h, f) for c, h, f in spec if c in df.columns]
+    cols = [(c, h, f) for c, h, f in spec if c in section.columns]
     for _, header, _ in cols:
         table.add_column(header, justify="right", no_wrap=True)
-    for idx, row in df.iterrows():
+    for key, row in section.items():
         if keep is not None and not keep(row):
             continue
-        table.add_row(cell(str(idx)), *[cell(fmt(_value(row[c]))) for c, _, fmt in cols])
+        table.add_row(cell(str(key)), *[cell(fmt(_value(row[c]))) for c, _, fmt in cols])
     return table
 
 
-def _mix(title: str, frame: pd.DataFrame) -> Table:
+def _mix(title: str, section: Section) -> Table:
     """Verdicts as rows (fifteen verdict columns do not fit a terminal, five buckets do)."""
     table = compact_table(Text(title, style="bold"))
     table.add_column("verdict", no_wrap=True)
-    for bucket in frame.index:
+    for bucket in section.index:
         table.add_column(str(bucket), justify="right", no_wrap=True)
-    verdicts = [c for c in frame.columns if c not in ("turns", "reused_share")]
+    verdicts = [c for c in section.columns if c not in ("turns", "reused_share")]
     for name in ("turns", *verdicts):
-        table.add_row(cell(name), *[cell(human_count(_value(v))) for v in frame[name]])
-    table.add_row(cell("reused"), *[cell(human_share(_value(v))) for v in frame["reused_share"]])
+        table.add_row(cell(name), *[cell(human_count(_value(v))) for v in section.column(name)])
+    table.add_row(cell("reused"), *[cell(human_share(_value(v))) for v in section.column("reused_share")])
     return table
 
 
 def report_renderables(rep: Report, *, wide: bool = False) -> list[RenderableType]:
     """Every section of the report, in print order."""
-    df = rep.table
-    later = rep.first_later.loc["later"] if "later" in rep.first_later.index else None
-    head = f"{len(df):,} turns in {df['conversation_id'].nunique():,} conversations"
+    later = rep.first_vs_later.row("later")
+    head = f"{rep.turns:,} turns in {rep.conversations:,} conversations"
     if later is not None and _value(later["reused_share"]) is not None:
         head += f"; later turns reused: {human_share(later['reused_share'], 1)} of {human_count(later['n'])}"
     out: list[RenderableType] = [Text(head, style="bold")]
@@ -88,13 +87,13 @@ def report_renderables(rep: Report, *, wide: bool = False) -> list[RenderableTyp
         out += _wide_sections(rep)
         out.append(Text(gaps_line(rep)))
         return out
-    out += [_mix("Outcome mix by turn index", rep.by_turn),
-            _mix("Outcome mix by prompt length (tokens)", rep.by_prompt),
-            _section("TTFT of later turns: reused vs recomputed", rep.ttft, "prompt", _TTFT,
+    out += [_mix("Outcome mix by turn index", rep.outcome_by_turn),
+            _mix("Outcome mix by prompt length (tokens)", rep.outcome_by_prompt),
+            _section("TTFT of later turns: reused vs recomputed", rep.ttft_by_prompt, "prompt", _TTFT,
                      keep=lambda r: bool(r.get("reused_n", 0) or r.get("recomputed_n", 0))),
-            _section("D→P transfers by prompt length", rep.transfer, "prompt", _TRANSFER,
+            _section("D→P transfers by prompt length", rep.transfer_by_prompt, "prompt", _TRANSFER,
                      keep=lambda r: bool(r.get("transfers", 0))),
-            _section("First turn vs later turns", rep.first_later, "", _FIRST_LATER)]
+            _section("First turn vs later turns", rep.first_vs_later, "", _FIRST_LATER)]
     out += _trims(rep)
     out.append(Text(gaps_line(rep)))
     # a blank line between sections
@@ -107,9 +106,9 @@ def _trims(rep: Report) -> list[RenderableType]:
         return []
     parts: list[RenderableType] = [Text("Partial reuse: D's tokens the router let P read", style="bold"),
                                    Text(trims_line(rep))]
-    if len(t.by_reason):
-        parts += [Text(""), _section("Trimmed tokens by reason", t.by_reason, "reason", _TRIMS)]
-        for reason, row in t.by_reason.iterrows():
+    if len(t.reasons):
+        parts += [Text(""), _section("Trimmed tokens by reason", t.reasons, "reason", _TRIMS)]
+        for reason, row in t.reasons.items():
             line = Text(f"{reason}: ", style="bold")
             line.append(str(row["fix"]))
             parts.append(line)
@@ -146,24 +145,30 @@ def gaps_line(rep: Report) -> str:
 
 def _wide_sections(rep: Report) -> list[RenderableType]:
     out: list[RenderableType] = []
-    for title, frame in rep.sections:
-        if frame is rep.by_turn or frame is rep.by_prompt:
-            frame = frame.T.rename_axis("verdict")
-        if frame is rep.trims.by_reason and not len(frame):
+    for title, section in rep.sections:
+        if section is rep.outcome_by_turn or section is rep.outcome_by_prompt:
+            section = _transposed(section, "verdict")
+        if section is rep.trims.reasons and not len(section):
             continue
-        out.append(_wide_table(title, frame))
+        out.append(_wide_table(title, section))
     if rep.trims.handle_turns:
         out.append(Text(trims_line(rep)))
     return out
 
 
-def _wide_table(title: str, df: pd.DataFrame) -> Table:
+def _transposed(section: Section, index_name: str) -> Section:
+    """Columns as rows (a mix table's verdicts down the side, its buckets across)."""
+    rows = tuple((c, tuple(section.column(c))) for c in section.columns)
+    return Section(index_name, tuple(str(k) for k in section.index), rows)
+
+
+def _wide_table(title: str, section: Section) -> Table:
     table = Table(title=title, title_justify="left")
-    table.add_column(str(df.index.name or ""))
-    for c in df.columns:
+    table.add_column(section.index_name)
+    for c in section.columns:
         table.add_column(str(c), justify="right")
-    for idx, *values in df.itertuples(index=True, name=None):
-        table.add_row(Text(str(idx)), *[Text(wide_cell(v)) for v in values])
+    for key, values in section.rows:
+        table.add_row(Text(str(key)), *[Text(wide_cell(v)) for v in values])
     return table
 
 

@@ -14,6 +14,7 @@ grep does, odd JSON lines, and the windows.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import re
@@ -153,6 +154,9 @@ def add_lines(run: Run, f: int, numbered: Iterable[tuple[int, bytes | str]]) -> 
     """Lines of file ``f`` that Python read (a prefilter's, a compressed file's)."""
     lf = run.files[f]
     json = lf.fmt in _JSON_FORMATS
+    if not isinstance(numbered, list):  # (a reader's lines: a few go in as lists, the rest through Arrow)
+        head = list(itertools.islice(numbered, SMALL_INSERT_ROWS + 1))
+        numbered = head if len(head) <= SMALL_INSERT_ROWS else itertools.chain(head, numbered)
     if isinstance(numbered, list) and len(numbered) <= SMALL_INSERT_ROWS:
         ns, texts, notes = ep.decoded_lines(f, numbered, run.stats, lf.path, json=json)
         if ns:

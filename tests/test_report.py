@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
@@ -15,14 +15,8 @@ from kvdiag.cli.main import cli
 from kvdiag.diagnostics import report as report_mod
 from kvdiag.diagnostics import report_cache
 from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
-from kvdiag.diagnostics.report import (
-    ReportError,
-    build_report,
-    build_turn_table,
-    gap_summary,
-    outcome_mix,
-    ttft_by_bucket,
-)
+from kvdiag.diagnostics.report import ReportError, build_report, build_turn_table
+from kvdiag.diagnostics.report_sections import TurnTable, outcome_mix_section
 from kvdiag.diagnostics.report_synth import SynthParams, synthetic_conversations, write_router_events
 from kvdiag.schema.verdicts import Verdict
 
@@ -63,20 +57,25 @@ def test_turn_table_derives_buckets_and_gaps() -> None:
 
 def test_outcome_mix_counts_per_bucket() -> None:
     df = build_turn_table(_small())
-    by_turn = outcome_mix(df, "turn_bucket")
+    rep = build_report(df)
+    by_turn = rep.by_turn
     assert by_turn.loc["1", "first_turn"] == 2
     assert by_turn.loc["2", "remote_hit"] == 1 and by_turn.loc["2", "metadata_not_returned"] == 1
     assert by_turn.loc["3", "expired_remote_read"] == 1
     assert by_turn.loc["2", "reused_share"] == pytest.approx(0.5)
     assert by_turn.loc["8+", "turns"] == 0
-    by_prompt = outcome_mix(df, "prompt_bucket")
+    by_prompt = rep.by_prompt
     assert by_prompt.loc["<2k", "turns"] == 2 and by_prompt.loc["2-8k", "turns"] == 3
-    with pytest.raises(ValueError, match="turn_bucket or prompt_bucket"):
-        outcome_mix(df, "model")
+    tt = TurnTable(pa.Table.from_pandas(df, preserve_index=False))
+    try:
+        with pytest.raises(ValueError, match="turn_bucket or prompt_bucket"):
+            outcome_mix_section(tt, "model")
+    finally:
+        tt.close()
 
 
 def test_ttft_reused_vs_recomputed_per_bucket() -> None:
-    ttft = ttft_by_bucket(build_turn_table(_small()))
+    ttft = build_report(build_turn_table(_small())).ttft
     row = ttft.loc["2-8k"]
     assert row["reused_n"] == 1 and row["reused_p50_ms"] == pytest.approx(50.0)
     assert row["recomputed_n"] == 2 and row["recomputed_p50_ms"] == pytest.approx(250.0)
@@ -85,14 +84,14 @@ def test_ttft_reused_vs_recomputed_per_bucket() -> None:
 
 
 def test_gap_summary_against_ttl() -> None:
-    g = gap_summary(build_turn_table(_small()), 480.0)
+    g = build_report(build_turn_table(_small()), 480.0).gaps
     assert g.later_turns == 3 and g.gaps_known == 3
     assert g.share_over_ttl == pytest.approx(1 / 3, abs=1e-4)
     assert g.expired_ratio == pytest.approx(1 / 3, abs=1e-4)
     assert g.missing_metadata_ratio == pytest.approx(1 / 3, abs=1e-4)
     assert g.missing_metadata_reasons == {"not_streamed": 1}
     assert sum(g.histogram_counts) == 3 and g.histogram_edges_s[-1] >= 500.0
-    unknown = gap_summary(build_turn_table(_small()), None)
+    unknown = build_report(build_turn_table(_small()), None).gaps
     assert unknown.share_over_ttl is None and unknown.quantiles_s["p50"] == pytest.approx(20.0)
 
 
@@ -114,7 +113,7 @@ def test_parquet_cache_hits_and_misses_on_change(tmp_path: Path) -> None:
     assert stored is not None and stored.exists()
     back = report_cache.load_cached_table([log], cache, 1)
     assert back is not None
-    pd.testing.assert_frame_equal(report_mod.normalize_table(back), df)
+    pd.testing.assert_frame_equal(report_mod.table_frame(back), df)
     assert report_cache.load_cached_table([log], cache, 2) is None  # table version is part of the key
     os.utime(log, ns=(0, 10**9))
     assert report_cache.load_cached_table([log], cache, 1) is None  # mtime changed: miss
@@ -152,7 +151,7 @@ def test_cli_report_writes_every_format_and_reuses_the_cache(events_dir: Path, t
     assert (out / "r.html").read_text().startswith("<!DOCTYPE html>")
     assert len(list(cache.glob("turns-*.parquet"))) == 1
 
-    def no_parse(*_a: object, **_k: object) -> pd.DataFrame:
+    def no_parse(*_a: object, **_k: object) -> pa.Table:
         raise AssertionError("the second run must come from the cache")
 
     monkeypatch.setattr(report_mod, "engine_table", no_parse)
@@ -179,7 +178,7 @@ def test_cli_report_output_in_a_missing_folder_is_a_one_line_error(events_dir: P
 
 def test_quantiles_match_pandas_on_synthetic_traffic() -> None:
     df = build_turn_table(synthetic_conversations(SynthParams(conversations=60, seed=5)))
-    ttft = ttft_by_bucket(df)
+    ttft = build_report(df).ttft
     later = df[(df["turn"] > 1) & (df["prompt_bucket"] == "8-16k")]
     p95 = later.loc[later["reused"], "ttft_ms"].quantile(0.95)
-    assert math.isclose(ttft.loc["8-16k", "reused_p95_ms"], p95)
+    assert ttft.loc["8-16k", "reused_p95_ms"] == p95  # pandas' own interpolation, to the last bit
