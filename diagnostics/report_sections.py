@@ -111,6 +111,25 @@ class TurnTable:
     def rows(self, sql: str) -> list[tuple[Any, ...]]:
         return self.con.execute(sql).fetchall()
 
+    def rows_with_arrays(self, sql: str) -> list[tuple[Any, ...]]:
+        """Rows whose list values come back as numpy arrays (a list of Python floats per turn costs more than the
+        whole query); a NULL list is an empty array."""
+        table = self.con.sql(sql).to_arrow_table()
+        columns: list[list[Any]] = []
+        for col in table.columns:
+            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+                columns.append([_doubles(v.values) if v.is_valid else np.empty(0) for v in col])
+            else:
+                columns.append(col.to_pylist())
+        return list(zip(*columns, strict=True))
+
+
+def _doubles(values: pa.Array) -> np.ndarray:
+    """A DOUBLE array without NULLs as numpy, on Arrow's own buffer (Array.to_numpy imports pandas)."""
+    if values.type != pa.float64() or values.null_count:
+        raise ValueError(f"expected DOUBLE values without NULLs, got {values.type} with {values.null_count} NULL(s)")
+    return np.frombuffer(values.buffers()[1], dtype=np.float64, count=len(values), offset=values.offset * 8)
+
 
 def totals(tt: TurnTable) -> tuple[int, int]:
     """Turns and conversations in the table."""
@@ -137,8 +156,8 @@ def outcome_mix_section(tt: TurnTable, by: str) -> Section:
     return Section(by, ("turns", *verdicts, "reused_share"), tuple(rows), frozenset({"reused_share"}))
 
 
-def _groups(tt: TurnTable, keys: str, values: str, where: str) -> dict[Any, list[float]]:
-    return {tuple(k) if len(k) > 1 else k[0]: list(vals) for *k, vals in tt.rows(
+def _groups(tt: TurnTable, keys: str, values: str, where: str) -> dict[Any, np.ndarray]:
+    return {tuple(k) if len(k) > 1 else k[0]: vals for *k, vals in tt.rows_with_arrays(
         f"SELECT {keys}, list(CAST({values} AS DOUBLE)) FROM t WHERE {where} GROUP BY ALL")}
 
 
@@ -153,7 +172,7 @@ def ttft_section(tt: TurnTable) -> Section:
         values: list[Any] = []
         p50: dict[bool, float | None] = {}
         for reused in (True, False):
-            part = groups.get((bucket, reused), [])
+            part = groups.get((bucket, reused), np.empty(0))
             p50[reused] = quantile(part, 0.5)
             values += [len(part), p50[reused], quantile(part, 0.95)]
         p_re, p_rc = p50[True], p50[False]
@@ -164,29 +183,29 @@ def ttft_section(tt: TurnTable) -> Section:
 
 def transfer_section(tt: TurnTable) -> Section:
     """D→P transfer bytes and milliseconds per prompt-length bucket (turns that read from D)."""
-    got = {b: (int(n), int(total), list(sizes), list(ms or [])) for b, n, total, sizes, ms in tt.rows(
+    got = {b: (int(n), int(total), sizes, ms) for b, n, total, sizes, ms in tt.rows_with_arrays(
         f"""SELECT prompt_bucket, count(*), sum(transfer_bytes), list(CAST(transfer_bytes AS DOUBLE)),
                    list(CAST(transfer_ms AS DOUBLE)) FILTER (WHERE {_known('transfer_ms')})
             FROM t WHERE {_known('transfer_bytes')} AND transfer_bytes > 0 AND prompt_bucket IS NOT NULL
             GROUP BY 1""")}
     rows = []
     for bucket in PROMPT_BUCKETS:
-        n, total, sizes, ms = got.get(bucket, (0, 0, [], []))
+        n, total, sizes, ms = got.get(bucket, (0, 0, np.empty(0), np.empty(0)))
         rows.append((bucket, (n, quantile(sizes, 0.5), total, quantile(ms, 0.5), quantile(ms, 0.95))))
     return Section("prompt_bucket", ("transfers", "bytes_p50", "bytes_total", "ms_p50", "ms_p95"), tuple(rows))
 
 
 def first_later_section(tt: TurnTable) -> Section:
     """First turns (nothing to retrieve) against later turns: counts, reuse share, TTFT."""
-    got = {label: (int(n), int(reused or 0), list(ttft or []), list(prompt or [])) for label, n, reused, ttft, prompt
-           in tt.rows(f"""SELECT CASE WHEN turn = 1 THEN 'first' ELSE 'later' END, count(*),
+    got = {label: (int(n), int(reused or 0), ttft, prompt) for label, n, reused, ttft, prompt
+           in tt.rows_with_arrays(f"""SELECT CASE WHEN turn = 1 THEN 'first' ELSE 'later' END, count(*),
                                  count(*) FILTER (WHERE coalesce(reused, false)),
                                  list(CAST(ttft_ms AS DOUBLE)) FILTER (WHERE {_known('ttft_ms')}),
                                  list(CAST(prompt_tokens AS DOUBLE)) FILTER (WHERE {_known('prompt_tokens')})
                           FROM t WHERE turn >= 1 GROUP BY 1""")}
     rows = []
     for label in ("first", "later"):
-        n, reused, ttft, prompt = got.get(label, (0, 0, [], []))
+        n, reused, ttft, prompt = got.get(label, (0, 0, np.empty(0), np.empty(0)))
         rows.append((label, (n, round(reused / n, 4) if n else None, quantile(ttft, 0.5), quantile(ttft, 0.95),
                              quantile(prompt, 0.5))))
     return Section("turns", ("n", "reused_share", "ttft_p50_ms", "ttft_p95_ms", "prompt_tokens_p50"), tuple(rows))
@@ -230,10 +249,10 @@ def summarize_gaps(tt: TurnTable, decoder_ttl_s: float | None) -> GapSummary:
     """Summarize later turns' gaps against ``decoder_ttl_s`` (None: TTL unknown, shares omitted)."""
     expired = ", ".join(f"'{v.value}'" for v in sorted(EXPIRED_VERDICTS))
     missing = f"verdict = '{Verdict.METADATA_NOT_RETURNED.value}'"
-    n_later, n_expired, n_missing, gaps = tt.rows(
+    n_later, n_expired, n_missing, gaps = tt.rows_with_arrays(
         f"""SELECT count(*), count(*) FILTER (WHERE verdict IN ({expired})), count(*) FILTER (WHERE {missing}),
                    list(CAST(gap_s AS DOUBLE)) FILTER (WHERE {_known('gap_s')}) FROM t WHERE turn > 1""")[0]
-    values = np.asarray(gaps or [], dtype=np.float64)
+    values = gaps
     n_gaps = len(values)
     over = within = None
     if decoder_ttl_s is not None and n_gaps:
