@@ -14,7 +14,9 @@ Variants, timed in interleaved rounds (baseline, then each variant, back to back
 load changes by the minute, so each round's ratio is the figure and the median over rounds is reported):
 
 * ``report_cold``: the turn table and every aggregation in this process (``load_turn_table`` +
-  ``build_report``), no cache;
+  ``build_report``: the turn table as a pandas DataFrame, as a library user gets it), no cache;
+* ``report_arrow_cold``: the same with the table kept in Arrow (``load_turn_arrow`` + ``build_report``: what
+  the CLI runs, without pandas);
 * ``cli_cold``: ``kvdiag report DIR --no-cache`` as a subprocess: interpreter start, imports, the
   configuration scan and printing included (target (c));
 * ``report_cached`` / ``cli_cached``: the same over the Parquet cache (the second run over unchanged logs).
@@ -51,7 +53,7 @@ from pathlib import Path
 import duckdb
 
 from kvdiag.diagnostics.detect import detect, expand_paths
-from kvdiag.diagnostics.report import build_report, load_turn_table
+from kvdiag.diagnostics.report import build_report, load_turn_arrow, load_turn_table
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
 
 BATCH = 4000  # conversations per generator batch (bounded memory)
@@ -109,6 +111,12 @@ def report_once(files: list[str], *, cache_dir: Path | None = None, events_only:
     return len(df)
 
 
+def report_arrow_once(files: list[str]) -> int:
+    table = load_turn_arrow(files)
+    build_report(table, 480.0)
+    return int(table.num_rows)
+
+
 def cli_run(paths: list[str], extra: list[str], tree: Path | None = None) -> dict[str, float]:
     """``kvdiag report`` as a child: wall and CPU seconds and peak RSS (MiB) of that child alone. ``tree``:
     another checkout's code (DIR/kvdiag, e.g. a worktree of an earlier commit), imported as kvdiag through
@@ -142,6 +150,7 @@ def run(name: str, paths: list[str], repeat: int, *, events_only: bool = False, 
         cli_run(paths, ["--cache-dir", str(cache)])  # fills the configuration cache too
         variants: list[tuple[str, Callable[[], object]]] = [
             ("duckdb_raw_scan", lambda: duckdb_raw_scan(files)), ("report_cold", lambda: report_once(files)),
+            ("report_arrow_cold", lambda: report_arrow_once(files)),
             ("cli_cold", lambda: cli_run(paths, ["--no-cache"]))]
         if tree is not None:  # the same CLI run with the other tree's code, in the same rounds
             variants.append(("cli_cold_tree", lambda: cli_run(paths, ["--no-cache"], tree)))
