@@ -2,8 +2,8 @@
 
 Library first: :func:`load_turn_table` gives one pandas row per turn (:func:`build_turn_table` the same from
 ConversationRecords); every section of the report is a pure function of that table (report_sections), so the
-CLI, the HTML report and the JSON document share it. The CLI keeps the table in Arrow and never loads pandas
-(a third of its start-up). Buckets come from kvdiag.schema.metrics (same labels as metrics).
+CLI, the HTML report and the JSON document share it. The CLI keeps the table in Arrow and never imports pandas
+(which would double its start-up). Buckets come from kvdiag.schema.metrics (same labels as metrics).
 """
 
 from __future__ import annotations
