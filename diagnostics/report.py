@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, overload
 
 import duckdb
 import numpy as np
@@ -188,6 +188,25 @@ def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+class SectionFrame:
+    """A report attribute giving one of its sections as a DataFrame (built on each access)."""
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+
+    @overload
+    def __get__(self, report: None, owner: type | None = None) -> SectionFrame: ...
+
+    @overload
+    def __get__(self, report: Report, owner: type | None = None) -> pd.DataFrame: ...
+
+    def __get__(self, report: Report | None, owner: type | None = None) -> pd.DataFrame | SectionFrame:
+        if report is None:  # (on the class: the attribute itself, as help() and introspection expect)
+            return self
+        frame: pd.DataFrame = getattr(report, self.section).to_pandas()
+        return frame
+
+
 @dataclass
 class Report:
     """Everything `kvdiag report` prints and writes, computed from one turn table. The sections are small
@@ -204,30 +223,12 @@ class Report:
     gaps: GapSummary
     trims: TrimSummary
 
-    @property
-    def by_turn(self) -> pd.DataFrame:
-        """Turn counts per verdict by turn index (index turn_bucket)."""
-        return self.outcome_by_turn.to_pandas()
-
-    @property
-    def by_prompt(self) -> pd.DataFrame:
-        """Turn counts per verdict by prompt length (index prompt_bucket)."""
-        return self.outcome_by_prompt.to_pandas()
-
-    @property
-    def ttft(self) -> pd.DataFrame:
-        """TTFT p50/p95 of later turns, reused vs recomputed, by prompt length."""
-        return self.ttft_by_prompt.to_pandas()
-
-    @property
-    def transfer(self) -> pd.DataFrame:
-        """D→P transfer sizes and times by prompt length."""
-        return self.transfer_by_prompt.to_pandas()
-
-    @property
-    def first_later(self) -> pd.DataFrame:
-        """First turns against later turns."""
-        return self.first_vs_later.to_pandas()
+    # the sections as DataFrames (what library users index with .loc)
+    by_turn = SectionFrame("outcome_by_turn")
+    by_prompt = SectionFrame("outcome_by_prompt")
+    ttft = SectionFrame("ttft_by_prompt")
+    transfer = SectionFrame("transfer_by_prompt")
+    first_later = SectionFrame("first_vs_later")
 
     @property
     def sections(self) -> list[tuple[str, Section]]:
