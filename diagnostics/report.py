@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import duckdb
 import numpy as np
@@ -24,6 +24,7 @@ from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report_sections import (
     GapSummary,
     Section,
+    SectionFrame,
     TurnTable,
     first_later_section,
     outcome_mix_section,
@@ -165,13 +166,17 @@ def build_turn_table(conversations: Iterable[ConversationRecord]) -> pd.DataFram
         con.close()
 
 
+def _check_columns(names: Iterable[str]) -> None:
+    missing = sorted(set(TABLE_COLUMNS) - set(names), key=TABLE_COLUMNS.index)
+    if missing:
+        raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
+
+
 def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
     """Give the table stable dtypes (nullable ints, floats, strings) whatever its origin."""
     import pandas as pd  # noqa: PLC0415
 
-    missing = [c for c in TABLE_COLUMNS if c not in df.columns]
-    if missing:
-        raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
+    _check_columns(df.columns)
     # Column by column, and only where the dtype differs: on a million-row table a blanket copy costs
     # more than the aggregations.
     # Already in order (the engine's table): a shallow copy, so a converted column never touches df.
@@ -186,25 +191,6 @@ def normalize_table(df: pd.DataFrame) -> pd.DataFrame:
             else:
                 out[c] = out[c].astype(dtype)
     return out
-
-
-class SectionFrame:
-    """A report attribute giving one of its sections as a DataFrame (built on each access)."""
-
-    def __init__(self, section: str) -> None:
-        self.section = section
-
-    @overload
-    def __get__(self, report: None, owner: type | None = None) -> SectionFrame: ...
-
-    @overload
-    def __get__(self, report: Report, owner: type | None = None) -> pd.DataFrame: ...
-
-    def __get__(self, report: Report | None, owner: type | None = None) -> pd.DataFrame | SectionFrame:
-        if report is None:  # (on the class: the attribute itself, as help() and introspection expect)
-            return self
-        frame: pd.DataFrame = getattr(report, self.section).to_pandas()
-        return frame
 
 
 @dataclass
@@ -326,9 +312,7 @@ def _load_staged(staged: StagedInputs, cache_dir: Path | None, progress: Callabl
     if cache_dir is not None:
         cached = report_cache.load_cached_table(key, cache_dir, TABLE_VERSION)
         if cached is not None:
-            missing = [c for c in TABLE_COLUMNS if c not in cached.column_names]
-            if missing:
-                raise ReportError(f"turn table lacks column(s) {', '.join(missing)}; rebuild it (delete the cache)")
+            _check_columns(cached.column_names)
             return cached
     if not events_only:
         files = staged.paths  # wrapped inputs are unwrapped here, on a miss only

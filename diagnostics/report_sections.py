@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, overload
 
 import duckdb
 import numpy as np
@@ -75,6 +75,25 @@ class Section:
         for c in self.float_columns:
             df[c] = df[c].astype("float64")
         return df
+
+
+class SectionFrame:
+    """An attribute giving the Section held in another attribute as a DataFrame (built on each access)."""
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+
+    @overload
+    def __get__(self, owner_obj: None, owner: type | None = None) -> SectionFrame: ...
+
+    @overload
+    def __get__(self, owner_obj: object, owner: type | None = None) -> pd.DataFrame: ...
+
+    def __get__(self, owner_obj: object | None, owner: type | None = None) -> pd.DataFrame | SectionFrame:
+        if owner_obj is None:  # (on the class: the attribute itself, as help() and introspection expect)
+            return self
+        section: Section = getattr(owner_obj, self.section)
+        return section.to_pandas()
 
 
 def quantile(values: Sequence[float] | np.ndarray, q: float) -> float | None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from kvdiag.diagnostics.report_sections import Section, TurnTable
+from kvdiag.diagnostics.report_sections import Section, SectionFrame, TurnTable
 from kvdiag.schema.verdicts import TRIM_INFO, TrimReason
 
 if TYPE_CHECKING:
-    import pandas as pd
+    pass
 
 # A reason "dominates" when it accounts for at least this share of the trimmed tokens.
 DOMINANT_SHARE: Final = 0.5
@@ -41,10 +41,7 @@ class TrimSummary:
     reasons: Section = field(default_factory=lambda: Section("trim_reason", BY_REASON_COLUMNS, ()))
     dominant: str | None = None
 
-    @property
-    def by_reason(self) -> pd.DataFrame:
-        """The trimmed tokens by reason as a DataFrame (index trim_reason, most tokens first)."""
-        return self.reasons.to_pandas()
+    by_reason = SectionFrame("reasons")  # the trimmed tokens by reason as a DataFrame (most tokens first)
 
     @property
     def trimmed_share(self) -> float | None:
