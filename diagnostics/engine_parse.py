@@ -502,6 +502,12 @@ VLLM_LINE: Final = (f"CASE WHEN {VLLM_LINE_OK} "
 VLLM_TEXT: Final = f"left({VLLM_LINE}, 500)"
 
 
+def kind_enum(kinds: Iterable[str]) -> str:
+    """The ENUM type of a kind column: the later statements' many tests of a line's kind compare integers, not
+    strings (a test against a name outside it is false, as for a string)."""
+    return "ENUM(" + ", ".join(sql_str(k) for k in dict.fromkeys(kinds)) + ")"
+
+
 def _classifiers() -> list[tuple[int, str, re.Pattern[str], str | None]]:
     """(index, kind, pattern, first word or None) in the order classify_message tries them."""
     by_word = [(i, k, p, vllm_log._first_word(p.pattern)) for i, (k, p, _c) in enumerate(vllm_log._CLASSIFIERS)]
@@ -700,7 +706,8 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
         structs += f", CASE WHEN k = {i} THEN {groups} END AS x{i}"
     kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
-    kind_name = f"CASE k {kind_names} END" if kind_names else "NULL::VARCHAR"
+    kind_type = kind_enum(c[1] for c in _classifiers())
+    kind_name = f"CASE k {kind_names} END::{kind_type}" if kind_names else "NULL::VARCHAR"
     ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch and not all_ascii else ""
     return f"""CREATE TEMP TABLE vl AS SELECT f, n,
               NULL::VARCHAR AS text, level, ts, {kind_name} AS kind, {', '.join(fields)}
