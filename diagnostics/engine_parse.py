@@ -502,10 +502,12 @@ VLLM_LINE: Final = (f"CASE WHEN {VLLM_LINE_OK} "
 VLLM_TEXT: Final = f"left({VLLM_LINE}, 500)"
 
 
-def kind_enum(kinds: Iterable[str]) -> str:
-    """The ENUM type of a kind column: the later statements' many tests of a line's kind compare integers, not
-    strings (a test against a name outside it is false, as for a string)."""
-    return "ENUM(" + ", ".join(sql_str(k) for k in dict.fromkeys(kinds)) + ")"
+def kind_case(named: Iterable[tuple[int, str]], kinds: Iterable[str]) -> str:
+    """The kind column from a classifier's number ``k``: each (number, kind) of ``named``, as an ENUM of every kind
+    of ``kinds``, so the later statements' many tests of a line's kind compare integers, not strings (a test
+    against a name outside it is false, as for a string)."""
+    whens = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind in named)
+    return f"CASE k {whens} END::ENUM({', '.join(sql_str(k) for k in dict.fromkeys(kinds))})"
 
 
 def _classifiers() -> list[tuple[int, str, re.Pattern[str], str | None]]:
@@ -704,10 +706,9 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
         else:
             continue
         structs += f", CASE WHEN k = {i} THEN {groups} END AS x{i}"
-    kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, kind, _r, _f in classes)
     kind = f"CASE {' '.join(whens)} END" if whens else "NULL::INTEGER"
-    kind_type = kind_enum(c[1] for c in _classifiers())
-    kind_name = f"CASE k {kind_names} END::{kind_type}" if kind_names else "NULL::VARCHAR"
+    kind_name = (kind_case(((i, k) for i, k, _r, _f in classes), (c[1] for c in _classifiers())) if classes
+                 else "NULL::VARCHAR")
     ascii_col = f", {ASCII.format('msg')} AS a" if ascii_branch and not all_ascii else ""
     return f"""CREATE TEMP TABLE vl AS SELECT f, n,
               NULL::VARCHAR AS text, level, ts, {kind_name} AS kind, {', '.join(fields)}

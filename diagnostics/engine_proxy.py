@@ -12,7 +12,7 @@ import re
 from typing import Final
 
 from kvdiag.diagnostics import proxy_log_parser as proxy_log
-from kvdiag.diagnostics.engine_parse import _RTRIM_CR, _literal, _re2, kind_enum, sql_str
+from kvdiag.diagnostics.engine_parse import _RTRIM_CR, _literal, _re2, kind_case, sql_str
 from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS as PROXY_CLASSIFIERS
 from kvdiag.diagnostics.proxy_log_parser import PROXY_RE
 
@@ -121,8 +121,8 @@ def parse_proxy_sql() -> list[str]:
             # regexp_extract gives '' for a group that took no part: an optional group's '' is no value
             exprs[i] = f"nullif({value}, '')" if name in _optional_groups(regex) else value
         fields.append(f"{_by_kind(exprs)} AS {name}")
-    kind_names = " ".join(f"WHEN {i} THEN '{kind}'" for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS))
-    kind_type = kind_enum(kind for kind, _r in PROXY_CLASSIFIERS)
+    kind_name = kind_case(((i, kind) for i, (kind, _r) in enumerate(PROXY_CLASSIFIERS)),
+                          (kind for kind, _r in PROXY_CLASSIFIERS))
     ends = " ".join(f"WHEN {sql_str(lead)} THEN {end}" for lead, end in _ID_END.items())
     # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message;
     # the time and level hold no ": ", so the first is the one after the name
@@ -138,7 +138,7 @@ def parse_proxy_sql() -> list[str]:
             i AS (SELECT *, substr(msg, q + 2, {_WORD}) AS w FROM (SELECT *, CASE lead {ends} END AS q FROM m)),
             c AS (SELECT *, CASE {' '.join(kinds)} END AS k FROM (SELECT *, {', '.join(groups)} FROM i))
             SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
-              SELECT f, n, ts, CASE k {kind_names} END::{kind_type} AS kind, {', '.join(fields)} FROM c)""",
+              SELECT f, n, ts, {kind_name} AS kind, {', '.join(fields)} FROM c)""",
         "DELETE FROM pl WHERE kind IS NULL",
     ]
 
