@@ -11,6 +11,9 @@ $(BIN)/kvdiag: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[otel,analysis,dashboards]'
+	@# bytecode as a wheel's install writes it: an editable install has none, and where PYTHONDONTWRITEBYTECODE
+	@# is set every CLI run would compile a hundred modules again (a tenth of one conversation's explain)
+	$(BIN)/python -m compileall -q $(PKGS) __init__.py >/dev/null
 	touch $@
 
 venv: $(BIN)/kvdiag

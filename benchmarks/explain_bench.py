@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from installed_bytecode import compile_package
+
 from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns
 
 
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Also time the one-conversation CLI with the kvdiag package under DIR (DIR/kvdiag, e.g. a "
                          "worktree of an earlier commit), in the same rounds.")
     args = ap.parse_args(argv)
+    compile_package()  # the CLI child imports kvdiag as an installed one would: from bytecode
+    if args.compare_tree is not None:
+        compile_package(args.compare_tree)
     files = sorted(str(p) for p in args.data.iterdir() if p.is_file())
     size = sum(os.path.getsize(f) for f in files)
     for f in files:  # warm the page cache for every contender alike

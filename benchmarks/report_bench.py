@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
+from installed_bytecode import compile_package
 
 from kvdiag.diagnostics.detect import detect, expand_paths
 from kvdiag.diagnostics.report import build_report, load_turn_arrow, load_turn_table
@@ -205,6 +206,9 @@ def main() -> None:
                          "worktree of an earlier commit), in the same rounds (cli_cold_tree).")
     ap.add_argument("--stock-only", action="store_true", help="Skip the mixed set (stock logs alone only).")
     args = ap.parse_args()
+    compile_package()  # the CLI child imports kvdiag as an installed one would: from bytecode
+    if args.compare_tree is not None:
+        compile_package(args.compare_tree)
     print(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), "
                                  f"Python {platform.python_version()}, duckdb {duckdb.__version__}",
                       "load_average": os.getloadavg()}))
