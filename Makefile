@@ -13,7 +13,7 @@ $(BIN)/kvdiag: pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[otel,analysis,dashboards]'
 	@# bytecode as a wheel's install writes it: an editable install has none, and where PYTHONDONTWRITEBYTECODE
 	@# is set every CLI run would compile a hundred modules again (a tenth of one conversation's explain)
-	$(BIN)/python -m compileall -q $(PKGS) __init__.py >/dev/null
+	$(BIN)/python -m compileall -q $(PKGS) __init__.py
 	touch $@
 
 venv: $(BIN)/kvdiag

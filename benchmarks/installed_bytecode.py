@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 
-def compile_package(tree: Path | None = None) -> Path:
-    """Write the bytecode of the kvdiag package (this install's, or ``tree/kvdiag``); return its folder."""
+def compile_package(tree: Path | None = None) -> None:
+    """Write the bytecode of the kvdiag package (this install's, or ``tree/kvdiag``)."""
     if tree is None:
         import kvdiag
 
@@ -24,6 +24,5 @@ def compile_package(tree: Path | None = None) -> Path:
         root = (tree / "kvdiag").resolve()
     # (the test suite and the virtual environments inside a checkout are not what the CLI imports)
     skip = re.compile(r"/(\.venv|\.vllm-venv|build|tests|benchmarks|demo-out)/")
-    if not compileall.compile_dir(str(root), quiet=1, rx=skip, workers=1):
+    if not compileall.compile_dir(str(root), quiet=1, rx=skip):
         print(f"note: some modules under {root} did not compile", file=sys.stderr)
-    return root
