@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from kvdiag.cli.main import LAZY_COMMANDS, cli
+from kvdiag.cli.main import LAZY_COMMANDS, SUMMARIES, cli
 
 
 @pytest.mark.parametrize("name", sorted(LAZY_COMMANDS))
@@ -22,6 +22,38 @@ def test_every_command_loads_and_has_help(name: str) -> None:
     result = CliRunner().invoke(cli, [name, "--help"])
     assert result.exit_code == 0, result.output
     assert "Usage:" in result.output
+
+
+def test_every_command_has_a_summary_that_fits_80_columns() -> None:
+    assert set(SUMMARIES) == set(LAZY_COMMANDS)
+    width = max(map(len, SUMMARIES))
+    for name, summary in SUMMARIES.items():
+        assert 2 + width + 2 + len(summary) <= 80, f"{name}'s summary overflows 80 columns: {summary!r}"
+
+
+_HELP_PROBE = """
+import contextlib, io, sys, click
+from kvdiag.cli.main import cli
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        cli(["--help"])
+    except SystemExit:
+        pass
+loaded = sorted(m for m in sys.modules if m.startswith("kvdiag.cli.cmd_"))
+cli.get_command(click.Context(cli), "report")  # (control: the probe sees a command's import)
+print(out.getvalue())
+print("LOADED", ",".join(loaded), "cmd_report" in ",".join(m for m in sys.modules if m.startswith("kvdiag.cli.")))
+"""
+
+
+def test_top_level_help_lists_every_command_without_importing_them() -> None:
+    out = subprocess.run([sys.executable, "-c", _HELP_PROBE], capture_output=True, text=True, check=True).stdout
+    listing, _, probe = out.rpartition("LOADED ")
+    loaded, control = probe.split()[:-1], probe.split()[-1]
+    assert loaded == [], f"kvdiag --help imported {loaded}"
+    assert control == "True", "the probe cannot see a command module's import: the check above proves nothing"
+    for name, summary in SUMMARIES.items():
+        assert f"  {name}" in listing and summary in listing, f"{name} missing from kvdiag --help"
 
 
 def test_unknown_command_is_a_usage_error() -> None:
