@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.markup import escape
 from rich.text import Text
 
+from kvdiag.cli.main import single_thread_blas
 from kvdiag.cli.report_inputs import PATH, advice_console, cache_options, load_table, writing
-from kvdiag.diagnostics.advise import Advice, advise
-from kvdiag.diagnostics.html_report import write_html_report
+
+if TYPE_CHECKING:
+    from kvdiag.diagnostics.advise import Advice
 
 
 def _print_advice(adv: Advice) -> None:
@@ -44,6 +47,11 @@ def advise_cmd(logs: tuple[str, ...], as_json: bool, html_path: Path | None, dec
                router_ttl: float | None, kv_bytes_per_token: float | None, cache_dir: Path, no_cache: bool,
                no_progress: bool, events_only: bool) -> None:
     """Recommend the decode TTL and kv_recompute_threshold, and check the configuration, from LOGS."""
+    # (imported here: ``kvdiag advise --help`` does not load pandas, pyarrow and DuckDB)
+    with single_thread_blas():
+        from kvdiag.diagnostics.advise import advise  # noqa: PLC0415
+        from kvdiag.diagnostics.html_report import write_html_report  # noqa: PLC0415
+
     table, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
     if not table.num_rows:
         raise click.ClickException("no turns found in the given logs; check the paths (kvdiag explain --all LOGS "

@@ -8,9 +8,8 @@ import click
 from rich.text import Text
 
 from kvdiag.cli.cmd_explain import output_console
+from kvdiag.cli.main import single_thread_blas
 from kvdiag.cli.report_inputs import PATH, cache_options, load_table, writing
-from kvdiag.diagnostics.report import ReportError, build_report, write_outputs
-from kvdiag.diagnostics.terminal_report import report_renderables
 
 
 @click.command("report")
@@ -29,6 +28,11 @@ def report(logs: tuple[str, ...], csv_path: Path | None, parquet_path: Path | No
            html_path: Path | None, decoder_ttl: float | None, wide: bool, width: int | None, cache_dir: Path,
            no_cache: bool, no_progress: bool, events_only: bool) -> None:
     """Outcome mix, TTFT reused vs recomputed, transfers and gaps, by turn and prompt length, from LOGS."""
+    # (imported here: ``kvdiag report --help`` does not load pyarrow and DuckDB)
+    with single_thread_blas():
+        from kvdiag.diagnostics.report import ReportError, build_report, write_outputs  # noqa: PLC0415
+        from kvdiag.diagnostics.terminal_report import report_renderables  # noqa: PLC0415
+
     table, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
     ttl = float(cfg.decoder_ttl.value) if cfg.decoder_ttl is not None else decoder_ttl
     try:

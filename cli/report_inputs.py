@@ -6,18 +6,18 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import pyarrow as pa
-from rich.console import Console
 
-from kvdiag.diagnostics.advise_config import DeploymentConfig, scan_config_cached
-from kvdiag.diagnostics.detect import LogReadError
-from kvdiag.diagnostics.report import ReportError, load_turn_arrow
 from kvdiag.diagnostics.report_cache import DEFAULT_CACHE_DIR
-from kvdiag.diagnostics.sources import stage_inputs
 from kvdiag.diagnostics.terminal_safe import printable, safe_console
-from kvdiag.diagnostics.turn_loader import ExplainError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from rich.console import Console
+
+    from kvdiag.diagnostics.advise_config import DeploymentConfig
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024
 PATH = click.Path(dir_okay=False, path_type=Path)
@@ -47,6 +47,14 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 def load_table(logs: tuple[str, ...], cache_dir: Path, no_cache: bool, no_progress: bool, events_only: bool
                ) -> tuple[pa.Table, DeploymentConfig]:
     """The turn table (Arrow) and the deployment's settings from LOGS, or a ClickException with the fix."""
+    # (imported here, with pyarrow and DuckDB behind them: ``--help`` needs none of them; the commands have
+    # loaded numpy by now, as single_thread_blas has it)
+    from kvdiag.diagnostics.advise_config import scan_config_cached  # noqa: PLC0415
+    from kvdiag.diagnostics.detect import LogReadError  # noqa: PLC0415
+    from kvdiag.diagnostics.report import ReportError, load_turn_arrow  # noqa: PLC0415
+    from kvdiag.diagnostics.sources import stage_inputs  # noqa: PLC0415
+    from kvdiag.diagnostics.turn_loader import ExplainError  # noqa: PLC0415
+
     cache = None if no_cache else cache_dir
     try:
         with stage_inputs(logs, mirror_dir=cache / "s3" if cache is not None else None) as staged:

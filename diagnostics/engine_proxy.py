@@ -1,9 +1,9 @@
-"""The proxy log's lines into ``pl``, in DuckDB: proxy_log.classify_proxy_message's kinds and groups, in SQL.
+"""The proxy log's lines into ``pl``, in DuckDB: the proxy log parser's kinds and groups, in SQL.
 
 One row per line a classifier takes: ``f``, ``n``, ``seq`` (the line's place), the time stamp ``ts``, ``kind``,
 one column per named group of the classifiers (NULL where the kind has none) and ``cconv`` (the conversation,
-which the join later maps from a hashed tag). The patterns are the parser's own, read by RE2 as Python reads them
-(engine_parse._re2).
+which the join later maps from a hashed tag). The patterns are the parser's own, rewritten so that RE2 reads them
+as Python does.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _CONV_READ: Final = "length({0}) >= 2 AND ends_with({0}, ':')"  # a greedy read 
 
 
 def _one_pass_form(regex: re.Pattern[str]) -> str:
-    """The pattern as RE2 reads it (_re2), its conversation id (where it has one, never in an optional part)
+    """The pattern as RE2 reads it, its conversation id (where it has one, never in an optional part)
     read greedily up to the space."""
     src = regex.pattern
     if _LAZY_CONV not in src:

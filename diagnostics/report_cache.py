@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-import duckdb
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 if TYPE_CHECKING:
     import pandas as pd
+    import pyarrow as pa
+
+# (DuckDB and pyarrow are imported where a table is read or written: the CLI's help reads DEFAULT_CACHE_DIR)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +44,9 @@ def cache_path(paths: Sequence[str | Path], cache_dir: Path, version: int) -> Pa
 
 def write_table(table: pa.Table | pd.DataFrame, path: Path) -> None:
     """Write the turn table (Arrow or pandas) as Parquet (zstd), atomically (temp file then rename)."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     arrow = table if isinstance(table, pa.Table) else pa.Table.from_pandas(table, preserve_index=False)
     pq.write_table(arrow, tmp, compression="zstd")
@@ -53,6 +55,8 @@ def write_table(table: pa.Table | pd.DataFrame, path: Path) -> None:
 
 def read_table(path: Path) -> pa.Table:
     """Read a turn table written by :func:`write_table`."""
+    import duckdb  # noqa: PLC0415
+
     # (read by DuckDB: pyarrow's reader imports pandas, a third of a cached report's run)
     con = duckdb.connect()
     try:
@@ -68,6 +72,8 @@ def load_cached_table(paths: Sequence[str | Path], cache_dir: Path, version: int
     target = cache_path(paths, cache_dir, version)
     if not target.exists():
         return None
+    import pyarrow as pa  # noqa: PLC0415
+
     try:
         return read_table(target)
     except (OSError, pa.ArrowException) as exc:
