@@ -15,22 +15,9 @@ import click
 
 from kvdiag import __version__
 
-# command name -> module under kvdiag.cli that defines it (in its COMMANDS tuple)
-LAZY_COMMANDS: dict[str, str] = {
-    "sim": "cmd_sim",
-    "workload": "cmd_workload",
-    "router": "cmd_router",
-    "demo": "cmd_demo",
-    "explain": "cmd_explain",
-    "report": "cmd_report",
-    "advise": "cmd_advise",
-    "dashboards": "cmd_dashboards",
-    "alerts": "cmd_alerts",
-    "check": "cmd_check",
-}
-# What ``kvdiag --help`` lists for each command. Listing the commands' own help would import every command's
-# module, and with them pandas, the simulator and the dashboards SDK: 2.7 s for a help screen. Each line fits
-# 80 columns beside the names.
+# Every command, with what ``kvdiag --help`` lists for it. Listing the commands' own help would import every
+# command's module, and with them pandas, the simulator and the dashboards SDK: 2.7 s for a help screen. Each line
+# fits 80 columns beside the names.
 SUMMARIES: dict[str, str] = {
     "advise": "Recommend the decode TTL and kv_recompute_threshold from logs.",
     "alerts": "Prometheus alert rules for KV reuse, KV transfer and the router.",
@@ -43,6 +30,8 @@ SUMMARIES: dict[str, str] = {
     "sim": "Emulated vLLM prefill/decode engines (no GPU, no model).",
     "workload": "Run a multi-turn agent workload and write the client log.",
 }
+# command name -> module under kvdiag.cli that defines it (in its COMMANDS tuple)
+LAZY_COMMANDS: dict[str, str] = {name: f"cmd_{name}" for name in SUMMARIES}
 
 
 class LazyGroup(click.Group):
