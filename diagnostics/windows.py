@@ -139,6 +139,8 @@ class _Stream:
     windows: list[StatWindow] = field(default_factory=list)
     runs: list[tuple[float, float]] = field(default_factory=list)  # spans its windows surely cover, in order
     usable: bool = True
+    problem: str = ""  # why it is not usable, for the reason
+    late: dict[int, float] = field(default_factory=dict)  # line index -> time of a count written seconds later
 
     def covers(self, lo: float, hi: float) -> bool:
         """True when one run of consecutive windows surely covers [lo, hi]."""
@@ -200,7 +202,7 @@ class Ledger:
                 n = self._count(lo, hi)
                 if k is not None and c > k * n:
                     self._problems.append((lo, hi, (
-                        f"P's stats window ending {w.line.ts} counts more successful transfers ({c}) than the {n} "
+                        f"P's stats window ending {w.evidence.ts} counts more successful transfers ({c}) than the {n} "
                         "read(s) the proxy log offered in it allow: another router feeds P, part of the proxy log "
                         "is missing, or P's clock differs from the proxy's")))
                     break
@@ -277,10 +279,10 @@ class Ledger:
         if self._surely_none(offer):
             return WindowFinding(False, cands, (), _none_counted(cands), self.prefix_caching)
         if not cands:
-            bad = next((st.name for st in self.streams if not st.usable), None)
-            why = (f"P's stat lines ({bad}) are not periodic (several a second, or fewer than two), so they mark "
-                   "no stats windows" if bad else "no stats window of P covers the time of this read (no stat "
-                   "lines, P idle at DEBUG level, or P's log does not reach that far)")
+            bad = next((st for st in self.streams if not st.usable), None)
+            why = (f"P's stat lines ({bad.name}) {bad.problem}, so they mark no stats windows" if bad
+                   else "no stats window of P covers the time of this read (no stat lines, P idle at DEBUG level, "
+                   "or P's log does not reach that far)")
             return WindowFinding(None, (), (), why, self.prefix_caching)
         lo, hi = min(w.lo for w in cands), max(w.hi for w in cands)
         peers = tuple(o for o in self._intersecting(lo, hi) if o.rid != rid)
@@ -292,7 +294,7 @@ class Ledger:
 
 
 def _span(windows: Iterable[StatWindow]) -> str:
-    ends = sorted({w.line.ts for w in windows})
+    ends = sorted({w.evidence.ts for w in windows})  # (a count written late widened its window to its time)
     return ends[0] if len(ends) == 1 else f"{ends[0]} to {ends[-1]}"
 
 
@@ -418,7 +420,9 @@ def _build_streams(index: LogIndex, p_paths: list[str], ref: float) -> tuple[lis
     plans: list[VllmRecord] = []
     configs: list[VllmRecord] = []
     last: dict[str, tuple[_Stream, int] | None] = {}  # path -> the stream and index of its latest Engine line
-    pending: dict[str, VllmRecord] = {}  # path -> a KV line whose Engine line has not come yet
+    # path -> a KV line whose Engine line has not come yet, and the earlier Engine line (without a count) it
+    # follows in the file
+    pending: dict[str, tuple[VllmRecord, tuple[_Stream, int] | None]] = {}
     orphans: set[str] = set()  # files with a KV line no Engine line of the same tick takes
     p_set = set(p_paths)
     for rec in index.vllm:
@@ -432,34 +436,62 @@ def _build_streams(index: LogIndex, p_paths: list[str], ref: float) -> tuple[lis
             t = vllm_wall_clock(rec.ts, ref)
             if t is None:
                 continue
-            kv = pending.pop(rec.path, None)
-            if kv is not None and kv.ts != rec.ts:
-                orphans.add(rec.path)
-                kv = None
+            kv = None
+            if rec.path in pending:
+                kv, before = pending.pop(rec.path)
+                if kv.ts != rec.ts:
+                    _late_count(kv, before, rec.path, orphans, ref)
+                    kv = None
             stream.lines.append((t, rec, kv))
             last[rec.path] = (stream, len(stream.lines) - 1) if kv is None else None
         elif rec.kind == "kv_metrics":
-            # vLLM logs it right after its tick's Engine line (same call, same second); either order is read
+            # vLLM logs it right after its tick's Engine line, in the same call: the same second, unless
+            # the process stalled between the two writes; a merge sorted by time may put it first
             slot = last.get(rec.path)
             if slot is not None and slot[0].lines[slot[1]][1].ts == rec.ts:
-                st, i = slot
-                t, eng, _ = st.lines[i]
-                st.lines[i] = (t, eng, rec)
+                _attach(slot, rec)
                 last[rec.path] = None
             else:
                 if rec.path in pending:
                     orphans.add(rec.path)
-                pending[rec.path] = rec
+                pending[rec.path] = (rec, slot)
+                last[rec.path] = None
         elif rec.kind == "transfer_plan":
             plans.append(rec)
         elif rec.kind == "engine_config":
             configs.append(rec)
-    orphans.update(pending)
+    for path, (kv, before) in pending.items():
+        _late_count(kv, before, path, orphans, ref)
     for stream in streams.values():
         _windows(stream)
         if any(p.startswith(stream.group) for p in orphans):
             stream.usable = False  # a count that belongs to no window: the file's windows are not complete
+            stream.problem = "hold a KV Transfer metrics line that follows no Engine line of its tick"
     return list(streams.values()), plans, configs
+
+
+def _attach(slot: tuple[_Stream, int], kv: VllmRecord) -> None:
+    st, i = slot
+    t, eng, _ = st.lines[i]
+    st.lines[i] = (t, eng, kv)
+
+
+def _late_count(kv: VllmRecord, before: tuple[_Stream, int] | None, path: str, orphans: set[str], ref: float
+                ) -> None:
+    """A KV line no Engine line of its own second takes.
+
+    The Engine line it follows wrote it late (the process stalled between the two writes; vLLM's stat
+    loop sleeps a whole interval after the call returns, so the next tick is later still), or that
+    tick's own Engine line is missing or comes later. Either way its count falls between the start of
+    the earlier line's window (which counted nothing itself) and its own second: that window is widened
+    to end there. Without such a line before it, it belongs to no window.
+    """
+    t = vllm_wall_clock(kv.ts, ref)
+    if before is None or t is None:
+        orphans.add(path)
+        return
+    _attach(before, kv)
+    before[0].late[before[1]] = t
 
 
 def _successes(kv: VllmRecord | None) -> int | None:
@@ -478,15 +510,17 @@ def _windows(stream: _Stream) -> None:
     positive = [g for g in gaps if g > 0]
     if len(positive) < 1 or len(gaps) - len(positive) > 0.05 * len(gaps) or min(gaps, default=0) < 0:
         stream.usable = False  # fewer than two ticks, several per second, or time going backwards
+        stream.problem = "are not periodic (several a second, or fewer than two)"
         return
     floor = min(positive)
     interval = statistics.median([g for g in positive if g <= 1.5 * floor + 1])
     run_start: float | None = None
     prev: float | None = None
-    for t, eng, kv in lines:
+    for i, (t, eng, kv) in enumerate(lines):
         n = _successes(kv)
         if n is None:
             stream.usable = False
+            stream.problem = "hold a KV Transfer metrics line whose count of successful transfers is not a number"
             return
         consecutive = prev is not None and t - prev <= interval + 1.5
         lo = prev if consecutive and prev is not None else t - interval - 1
@@ -494,7 +528,8 @@ def _windows(stream: _Stream) -> None:
             if run_start is not None and prev is not None:
                 stream.runs.append((run_start, prev))
             run_start = t + 1 - interval
-        stream.windows.append(StatWindow(stream=stream.name, lo=lo, hi=t + 1, successes=n, line=eng, kv_line=kv))
+        hi = max(t, stream.late.get(i, t)) + 1
+        stream.windows.append(StatWindow(stream=stream.name, lo=lo, hi=hi, successes=n, line=eng, kv_line=kv))
         prev = t
     if run_start is not None and prev is not None:
         stream.runs.append((run_start, prev))

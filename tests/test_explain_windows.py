@@ -180,6 +180,59 @@ def test_two_transfers_per_read_halve_the_count(tmp_path: Path) -> None:
     assert not _wrong(got)
 
 
+# the count of agent-b's and agent-c's shared window, written right after its tick's Engine line
+SHARED_COUNT = "10:01:00 [metrics.py:108] KV Transfer metrics: Num successful transfers=2,"
+
+
+def test_a_count_written_seconds_after_its_engine_line_still_counts_in_that_window(tmp_path: Path) -> None:
+    # A loaded host stalls the API server between the two writes of one stats call (seen on the
+    # real-vLLM testbed: the KV line two seconds after its Engine line); the next tick comes an interval
+    # after the call returns, so the count is still that tick's.
+    want = _verdicts(load_turns([str(RUN)]))
+    for late in ("10:01:01", "10:01:03"):
+        run = _copy(tmp_path / late.replace(":", ""), prefill_log=lambda t, late=late: t.replace(
+            SHARED_COUNT, SHARED_COUNT.replace("10:01:00", late)))
+        got = _verdicts(load_turns([str(run)]))
+        assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}, late
+        assert got[("agent-b", 2)][0] == got[("agent-c", 2)][0] == "remote_hit"
+        one = explain_conversation([str(run)], "agent-b")
+        assert one.turns[1].verdict.value == "remote_hit"
+        assert f"ending 11-29 {late} counts 2 successful D→P transfer(s), exactly the 2 read(s)" in one.turns[1].reason
+
+
+def test_a_count_without_its_engine_line_widens_the_window_before_it(tmp_path: Path) -> None:
+    # The tick's Engine line lost (a filtered or dropped line): the count belongs to the span from the
+    # earlier window's start to its own second, and no read there is decided wrong.
+    run = _copy(tmp_path, prefill_log=lambda t: "".join(
+        ln for ln in t.splitlines(keepends=True) if "10:01:00 [loggers.py" not in ln))
+    got = _verdicts(load_turns([str(run)]))
+    assert not _wrong(got)
+    for conv in ("agent-b", "agent-c"):
+        verdict, _, reason = got[(conv, 2)]
+        assert verdict == "remote_hit" and "ending 11-29 10:01:00 counts 2 successful" in reason, reason
+    # Negative control: one transfer short in that widened window, and neither read is decided
+    short = _copy(tmp_path / "short", prefill_log=lambda t: "".join(
+        ln.replace("transfers=2,", "transfers=1,") for ln in t.splitlines(keepends=True)
+        if "10:01:00 [loggers.py" not in ln))
+    got = _verdicts(load_turns([str(short)]))
+    assert got[("agent-b", 2)][0] == got[("agent-c", 2)][0] == "unknown"
+    assert not _wrong(got)
+
+
+def test_a_count_that_follows_no_engine_line_of_its_own_leaves_the_log_undecided(tmp_path: Path) -> None:
+    # Two counts for one tick: one of them belongs to no window, so no window of the file is complete.
+    run = _copy(tmp_path, prefill_log=lambda t: "".join(
+        ln + ln.replace("10:01:00", "10:01:02") if SHARED_COUNT in ln else ln for ln in t.splitlines(keepends=True)))
+    got = _verdicts(load_turns([str(run)]))
+    verdict, _, reason = got[("agent-i", 2)]  # below_threshold by its windows in the unedited log
+    assert verdict == "unknown" and "hold a KV Transfer metrics line that follows no Engine line" in reason
+    assert not [k for k, v in got.items() if "stats window" in v[2] and v[0] != "unknown"]
+    # agent-e's read succeeded (its window, shared with agent-f's skip, could not say so): the client's
+    # counts now decide it without windows
+    assert got[("agent-e", 2)][0] == "remote_hit" and "by the client's counts" in got[("agent-e", 2)][2]
+    assert [w for w in _wrong(got) if not w.startswith("('agent-e', 2)")] == []
+
+
 def _shift_p_clock(text: str, seconds: int) -> str:
     def shift(m: re.Match[str]) -> str:
         import time
