@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import sys
@@ -11,7 +10,6 @@ import click
 
 from kvdiag.check.findings import EXIT_USAGE
 from kvdiag.check.render import render_text
-from kvdiag.check.run import CheckOptions, OptionsError, run_check
 from kvdiag.diagnostics.terminal_safe import printable
 
 
@@ -54,14 +52,19 @@ def check(router: str | None, prefill: str | None, decode: str | None, model: st
           --prefill http://p-0.p:8000 --decode http://d-0.d:8000
       kvdiag check --router http://localhost:8000 --passive   # no traffic
     """
+    # (the probes and their HTTP client load only for a run: `--help` stays quick)
+    import asyncio  # noqa: PLC0415
+
+    from kvdiag.check import run as check_run  # noqa: PLC0415
+
     try:
-        options = CheckOptions(router=router, prefill=prefill, decode=decode, model=model, api_key=api_key,
+        options = check_run.CheckOptions(router=router, prefill=prefill, decode=decode, model=model, api_key=api_key,
                                timeout=timeout, reply_tokens=reply_tokens, max_clock_skew=max_clock_skew,
                                passive=passive).validate()
-    except OptionsError as exc:
+    except check_run.OptionsError as exc:
         click.echo(f"Error: {exc}. See `kvdiag check --help`.", err=True)
         sys.exit(EXIT_USAGE)
-    report = asyncio.run(run_check(options))
+    report = asyncio.run(check_run.run_check(options))
     if as_json:
         click.echo(json.dumps(report.to_json_dict(strict), indent=2))
     else:

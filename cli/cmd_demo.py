@@ -6,10 +6,6 @@ from pathlib import Path
 
 import click
 
-from kvdiag.demo.run import DemoError, default_out_dir, run_demo
-from kvdiag.demo.scenarios import produced_by
-from kvdiag.diagnostics.terminal_safe import safe_console
-
 
 @click.command("demo")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -18,6 +14,11 @@ from kvdiag.diagnostics.terminal_safe import safe_console
               help="Skip a phase that fails (e.g. an admin switch) instead of stopping the demo.")
 def demo(out_dir: Path | None, keep_going: bool) -> None:
     """Start P, D and the router on loopback, produce every verdict, stop everything, summarize."""
+    # (the testbed loads only for a run: `--help` stays quick)
+    from kvdiag.demo.run import DemoError, default_out_dir, run_demo  # noqa: PLC0415
+    from kvdiag.demo.scenarios import produced_by  # noqa: PLC0415
+    from kvdiag.diagnostics.terminal_safe import safe_console  # noqa: PLC0415
+
     out = out_dir or default_out_dir()
     console = safe_console()
     console.print("kvdiag demo: emulated vLLM prefill + decode and the router on 127.0.0.1 ...")

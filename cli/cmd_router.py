@@ -12,8 +12,6 @@ from typing import Any
 import click
 
 from kvdiag.router.config import DEFAULT_DECODER_KV_BLOCKS_TTL, POLICIES, RouterConfig, RouterConfigError, Upstream
-from kvdiag.router.store import StoreError
-from kvdiag.schema.process import run_event_loop
 
 # Options that take several space-separated values, as argparse's nargs="+" in the example proxy.
 _LIST_OPTIONS = frozenset({"--prefiller-hosts", "--prefiller-host", "--prefiller-ports", "--prefiller-port",
@@ -132,6 +130,10 @@ def router(**opts: Any) -> None:
         config.validate()
     except RouterConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    # (the store's Redis client and the event loop load only for a run: `--help` stays quick)
+    from kvdiag.router.store import StoreError  # noqa: PLC0415
+    from kvdiag.schema.process import run_event_loop  # noqa: PLC0415
+
     try:
         run_event_loop(_serve(config, opts["ready_file"]))
     except StoreError as exc:

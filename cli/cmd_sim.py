@@ -9,11 +9,8 @@ from typing import Any, Final
 
 import click
 
-from kvdiag.schema.process import run_event_loop
 from kvdiag.sim.config import REASONING_FIELDS, REASONING_PARSERS, TOOL_CALL_PARSERS, EngineConfig, EngineConfigError
 from kvdiag.sim.faults import POLICIES, FaultError, parse_fail_transfers
-from kvdiag.sim.fleet import MAX_ENGINES, FleetSpec, serve_fleet
-from kvdiag.sim.server import serve
 from kvdiag.sim.timemodel import PROFILES, UnknownProfile, calibrate
 
 
@@ -159,6 +156,10 @@ def _run(role: str, opts: dict[str, Any]) -> None:
         raise click.ClickException(f"{exc} (see `kvdiag sim {role} --help`)") from None
     if config.events_file and not config.instrumented:
         raise click.ClickException("--events-file needs --mode instrumented (stock mode writes only vLLM's logs)")
+    # (the server and its HTTP stack load only for a run: `--help` stays quick)
+    from kvdiag.schema.process import run_event_loop  # noqa: PLC0415
+    from kvdiag.sim.server import serve  # noqa: PLC0415
+
     try:
         run_event_loop(serve(config, ready_file))
     except OSError as exc:
@@ -207,6 +208,9 @@ def decode(**opts: Any) -> None:
 def fleet(n_prefill: int, n_decode: int, no_prefill_prefix_caching: bool, log_dir: Path | None,
           events_dir: Path | None, ready_file: str | None, **opts: Any) -> None:
     """Run an emulated xPyD fleet (default 4P+4D) in one process until SIGTERM/SIGINT."""
+    from kvdiag.schema.process import run_event_loop  # noqa: PLC0415 (as in _run)
+    from kvdiag.sim.fleet import MAX_ENGINES, FleetSpec, serve_fleet  # noqa: PLC0415
+
     if events_dir is not None and opts["mode"] != "instrumented":
         raise click.ClickException("--events-dir needs --mode instrumented (stock mode writes only vLLM's logs)")
     spec = FleetSpec(prefill=n_prefill, decode=n_decode, log_dir=log_dir, events_dir=events_dir)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import click
 
-from kvdiag.sim.agent_client import AgentOptions, run_agent_workload
 from kvdiag.sim.agent_plan import AGENT_PROFILES, AgentSpec, AgentSpecError
-from kvdiag.sim.workload import WorkloadResult, run_workload
 from kvdiag.sim.workload_plan import GAP_DISTRIBUTIONS, WorkloadConfig, WorkloadConfigError
 
 _SHARE = click.FloatRange(0.0, 1.0)
@@ -99,7 +96,12 @@ def workload(client_log: Path, stats_json_output: Path | None, profile: str, tur
             spec.validate()
     except (WorkloadConfigError, AgentSpecError) as exc:
         raise click.ClickException(f"{exc}. See `kvdiag workload --help`.") from None
-    result: WorkloadResult
+    # (the HTTP client loads only for a run: `--help` stays quick)
+    import asyncio  # noqa: PLC0415
+
+    from kvdiag.sim.agent_client import AgentOptions, run_agent_workload  # noqa: PLC0415
+    from kvdiag.sim.workload import run_workload  # noqa: PLC0415
+
     if spec is not None:
         agent_options = AgentOptions(send_reasoning=send_reasoning, hide_reasoning=hide_reasoning,
                                      thinking=not no_thinking)

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from rich.console import Console
 from rich.text import Text
 
+from kvdiag.check import run as check_run
 from kvdiag.cli import cmd_check
 from kvdiag.cli.main import cli
 from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
@@ -98,7 +99,7 @@ def test_kvdiag_check_shows_what_a_server_answered(monkeypatch: pytest.MonkeyPat
     async def fake_run(options: object) -> _Report:
         return _Report()
 
-    monkeypatch.setattr(cmd_check, "run_check", fake_run)
+    monkeypatch.setattr(check_run, "run_check", fake_run)
     monkeypatch.setattr(cmd_check, "render_text", lambda report, **kw: f"model: m{HOSTILE}\nok\n")
     result = CliRunner().invoke(cli, ["check", "--router", "http://127.0.0.1:9", "--passive"])
     assert result.exit_code == 0, result.output
