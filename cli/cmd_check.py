@@ -58,9 +58,9 @@ def check(router: str | None, prefill: str | None, decode: str | None, model: st
     from kvdiag.check import run as check_run  # noqa: PLC0415
 
     try:
-        options = check_run.CheckOptions(router=router, prefill=prefill, decode=decode, model=model, api_key=api_key,
-                               timeout=timeout, reply_tokens=reply_tokens, max_clock_skew=max_clock_skew,
-                               passive=passive).validate()
+        options = check_run.CheckOptions(router=router, prefill=prefill, decode=decode, model=model,
+                                         api_key=api_key, timeout=timeout, reply_tokens=reply_tokens,
+                                         max_clock_skew=max_clock_skew, passive=passive).validate()
     except check_run.OptionsError as exc:
         click.echo(f"Error: {exc}. See `kvdiag check --help`.", err=True)
         sys.exit(EXIT_USAGE)
