@@ -14,6 +14,7 @@ TIMED_OUT = ("ERROR 12-01 20:28:26 [base_worker.py:1375] NIXL transfer failure: 
              "Traceback (most recent call last):\nzmq.error.Again: Resource temporarily unavailable\n")
 
 
+@pytest.mark.vllm  # (reads the installed vLLM's source: `make test-fast` runs without the vLLM environment)
 def test_the_failure_type_is_the_one_installed_vllm_logs() -> None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
