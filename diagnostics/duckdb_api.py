@@ -5,7 +5,7 @@ costs about 0.08 s of CPU (its relational API, the version read from the install
 explaining one conversation from the command line, which calls only what the extension itself defines
 (connect, execute, fetchall, its exceptions). So connections come from the extension where there is one;
 whatever needs the package's Python layer (Arrow results, registering Arrow tables) imports it first
-(:func:`with_python_layer`). Where DuckDB has no such extension module (before 2.0), the package is used.
+(:func:`with_python_layer`). Where the extension module has no ``connect``, the package is used.
 """
 
 from __future__ import annotations
