@@ -13,6 +13,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -144,26 +145,18 @@ class Component:
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``grace``; raise if anything survives."""
         pgid = self.process.pid  # start_new_session: the child leads its own group
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
         deadline = time.monotonic() + grace
         while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.05)
         if group_members(pgid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
         if self._console_fh is not None:
             self._console_fh.close()
             self._console_fh = None

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Final
 
-from kvdiag.diagnostics.detect import LogReadError, open_binary
+from kvdiag.diagnostics.detect import LogReadError, open_binary, whole_line_blocks
 from kvdiag.diagnostics.linestats import LineStats
 
 SNIFF_LINES: Final = 50
@@ -177,20 +177,8 @@ def _lines(path: str, display: str) -> Iterator[bytes]:
     """Chunks of whole lines (each ending in ``\\n``; a last line without one gets one)."""
     try:
         with open_binary(path) as fh:
-            tail = b""
-            while True:
-                block = fh.read(CHUNK_BYTES)
-                if not block:
-                    if tail:
-                        yield tail + b"\n"
-                    return
-                block = tail + block
-                cut = block.rfind(b"\n")
-                if cut < 0:
-                    tail = block
-                    continue
-                tail = block[cut + 1:]
-                yield block[:cut + 1]
+            for block in whole_line_blocks(fh, CHUNK_BYTES):
+                yield block if block.endswith(b"\n") else block + b"\n"
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         if isinstance(exc, (EOFError, gzip.BadGzipFile)):

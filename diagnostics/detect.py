@@ -8,7 +8,7 @@ import gzip
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
@@ -44,6 +44,27 @@ def open_binary(path: str) -> IO[bytes]:
         return open(path, "rb")
     except OSError as exc:
         raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def whole_line_blocks(fh: IO[bytes], size: int, progress: Callable[[int], None] | None = None) -> Iterator[bytes]:
+    """Blocks of about ``size`` bytes read from ``fh``, each cut after its last newline; the file's last line
+    comes last, without one if it has none. ``progress`` is told the bytes of each read."""
+    tail = b""
+    while True:
+        block = fh.read(size)
+        if progress is not None:
+            progress(len(block))
+        if not block:
+            if tail:
+                yield tail
+            return
+        block = tail + block
+        cut = block.rfind(b"\n")
+        if cut < 0:
+            tail = block
+            continue
+        tail = block[cut + 1:]
+        yield block[:cut + 1]
 
 
 def _rotation_key(path: str) -> tuple[str, int]:

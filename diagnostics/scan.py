@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
-from kvdiag.diagnostics.detect import LogReadError, open_binary
+from kvdiag.diagnostics.detect import LogReadError, open_binary, whole_line_blocks
 
 CHUNK_BYTES: Final = 8 * 1024 * 1024
 ProgressFn = Callable[[int], None]  # bytes read since the last call
@@ -31,22 +31,7 @@ def _chunks(path: str, progress: ProgressFn | None) -> Iterator[bytes]:
     """Yield chunks that end on a line boundary (the last one may not)."""
     try:
         with open_binary(path) as fh:
-            tail = b""
-            while True:
-                block = fh.read(CHUNK_BYTES)
-                if progress is not None:
-                    progress(len(block))
-                if not block:
-                    if tail:
-                        yield tail
-                    return
-                block = tail + block
-                cut = block.rfind(b"\n")
-                if cut < 0:
-                    tail = block
-                    continue
-                tail = block[cut + 1:]
-                yield block[:cut + 1]
+            yield from whole_line_blocks(fh, CHUNK_BYTES, progress)
     except (OSError, EOFError) as exc:
         raise LogReadError(f"cannot read {path}: {exc}") from None
 

@@ -423,7 +423,9 @@ redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
 return {1, evicted}
 """
 
-_RELEASE_LUA = """
+# Give back a claim the turn still holds, with the handle it took (unless a newer one is stored by then)
+# (KEYS: handle, claim, last-turn record, index); the cluster store runs the same script.
+RELEASE_LUA = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then
   return 0
 end
@@ -466,7 +468,7 @@ class RedisStore:
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self._claim = self._client.register_script(CLAIM_LUA)
         self._complete = self._client.register_script(_COMPLETE_LUA)
-        self._release = self._client.register_script(_RELEASE_LUA)
+        self._release = self._client.register_script(RELEASE_LUA)
         self._size = self._client.register_script(_SIZE_LUA)
 
     def _keys(self, key: str) -> list[str]:

@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvdiag.router.store import CLAIM_LUA, Claim, EvictionCallback, Handle, LastTurn, StoreError
+from kvdiag.router.store import CLAIM_LUA, RELEASE_LUA, Claim, EvictionCallback, Handle, LastTurn, StoreError
 
 BUCKETS: Final = 256
 SLOTS: Final = 16384
@@ -69,19 +69,6 @@ if ARGV[2] ~= '' then
 end
 redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
 return {1, evicted, expired}
-"""
-
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then
-  return 0
-end
-redis.call('DEL', KEYS[2])
-if ARGV[2] ~= '' and tonumber(ARGV[3]) > 0 then
-  if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[3]) then
-    redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) + tonumber(ARGV[3]), KEYS[1])
-  end
-end
-return 1
 """
 
 
@@ -185,7 +172,7 @@ class ClusterStore:
                                                   retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self._claim = self._client.register_script(CLAIM_LUA)
         self._complete = self._client.register_script(_COMPLETE_LUA)
-        self._release = self._client.register_script(_RELEASE_LUA)
+        self._release = self._client.register_script(RELEASE_LUA)
 
     def keys(self, key: str) -> list[str]:
         """The handle, claim, record and index keys of conversation ``key`` (one slot)."""

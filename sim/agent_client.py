@@ -32,15 +32,12 @@ from typing import Any, Final
 
 import aiohttp
 
-from kvdiag.schema.events import TurnEvent
 from kvdiag.sim.agent_plan import TOOLS, AgentPlan, AgentSpec, AgentTurn, Reply, Step, make_agent_plans
-from kvdiag.sim.tokenizer import tokenize
 from kvdiag.sim.workload import (
     ClientLogWriter,
     RequestRecord,
     WorkloadResult,
-    prompt_token_count,
-    request_stats,
+    record_client_turn,
     run_conversations,
 )
 from kvdiag.sim.workload_http import ChatResult, send_chat
@@ -242,8 +239,6 @@ class AgentRunner:
 
     def _record(self, conv: AgentConversation, number: int, prompt: list[dict[str, Any]], res: ChatResult,
                 gap: float | None, step: Step) -> RequestRecord:
-        prompt_tokens = res.prompt_tokens if res.prompt_tokens is not None else prompt_token_count(prompt)
-        completion = res.completion_tokens if res.completion_tokens is not None else len(tokenize(res.text))
         attrs: dict[str, Any] = {"scenario": step.value, "profile": conv.plan.profile}
         if res.tool_calls:
             attrs["tool_calls"] = len(res.tool_calls)
@@ -255,22 +250,7 @@ class AgentRunner:
             attrs["enable_thinking"] = False
         if not (conv.plan.send_id and self.config.send_conversation_id):
             attrs["conversation_id_sent"] = False
-        if res.error:
-            attrs["error"] = res.error
-        if res.cached_tokens is not None:
-            attrs["cached_tokens"] = res.cached_tokens
-        event = TurnEvent(
-            ts=res.start_ts, source="client", event="client_turn", conversation_id=conv.conversation_id,
-            turn=number, request_id=res.request_id, model=self.config.model, prompt_tokens=prompt_tokens,
-            completion_tokens=completion, ttft_ms=res.ttft_ms, duration_ms=res.duration_ms, gap_s=gap,
-            status=res.status, http_status=res.http_status, attrs=attrs)
-        self.log.write(event)
-        stats = request_stats(prompt, res, prompt_tokens, completion,
-                              previous_sequence_tokens=conv.last_sequence_tokens,
-                              conversation_id=conv.conversation_id, client_id=conv.index)
-        record = RequestRecord(event=event, stats=stats)
-        self.records.append(record)
-        return record
+        return record_client_turn(self.log, self.records, self.config.model, conv, number, prompt, res, gap, attrs)
 
 
 def _rewrite_tail(text: str, rng: random.Random, share: float) -> str:

@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final, Protocol
@@ -219,8 +219,6 @@ class WorkloadRunner:
 
     def _record(self, conv: Conversation, number: int, prompt: list[dict[str, Any]], res: ChatResult,
                 gap: float | None, turn: TurnPlan, scenario: Scenario, *, is_duplicate: bool) -> RequestRecord:
-        prompt_tokens = res.prompt_tokens if res.prompt_tokens is not None else prompt_token_count(prompt)
-        completion = res.completion_tokens if res.completion_tokens is not None else len(tokenize(res.text))
         attrs: dict[str, Any] = {"scenario": scenario.value}
         if turn.long_gap:
             attrs["long_gap"] = True
@@ -228,23 +226,8 @@ class WorkloadRunner:
             attrs["conversation_id_sent"] = False
         if is_duplicate:
             attrs["duplicate_of_turn"] = number
-        if res.error:
-            attrs["error"] = res.error
-        if res.cached_tokens is not None:
-            attrs["cached_tokens"] = res.cached_tokens
-        attrs.update(conv.plan.tags)
-        event = TurnEvent(
-            ts=res.start_ts, source="client", event="client_turn", conversation_id=conv.conversation_id,
-            turn=number, request_id=res.request_id, model=self.config.model, prompt_tokens=prompt_tokens,
-            completion_tokens=completion, ttft_ms=res.ttft_ms, duration_ms=res.duration_ms, gap_s=gap,
-            status=res.status, http_status=res.http_status, attrs=attrs)
-        self.log.write(event)
-        stats = request_stats(prompt, res, prompt_tokens, completion,
-                              previous_sequence_tokens=conv.last_sequence_tokens,
-                              conversation_id=conv.conversation_id, client_id=conv.index)
-        record = RequestRecord(event=event, stats=stats)
-        self.records.append(record)
-        return record
+        return record_client_turn(self.log, self.records, self.config.model, conv, number, prompt, res, gap, attrs,
+                                  tags=conv.plan.tags)
 
 
 def _strip_assistant_messages(messages: list[dict[str, Any]]) -> bool:
@@ -265,6 +248,32 @@ def _strip_assistant_messages(messages: list[dict[str, Any]]) -> bool:
             kept = " ".join(words[len(words) // 2 + 1:]) or "(edited)"
             messages[i] = {"role": "assistant", "content": kept}
     return True
+
+
+def record_client_turn(log: ClientLogWriter, records: list[RequestRecord], model: str, conv: Any, number: int,
+                       prompt: Sequence[dict[str, Any]], res: ChatResult, gap: float | None, attrs: dict[str, Any], *,
+                       tags: Mapping[str, Any] | None = None) -> RequestRecord:
+    """One turn as the client saw it: its ``client_turn`` event written to ``log`` and its benchmark RequestStats
+    kept in ``records``. ``conv`` has ``conversation_id``, ``index`` and ``last_sequence_tokens``; ``tags`` are
+    added to ``attrs`` last. Token counts the server did not report are counted here."""
+    prompt_tokens = res.prompt_tokens if res.prompt_tokens is not None else prompt_token_count(prompt)
+    completion = res.completion_tokens if res.completion_tokens is not None else len(tokenize(res.text))
+    if res.error:
+        attrs["error"] = res.error
+    if res.cached_tokens is not None:
+        attrs["cached_tokens"] = res.cached_tokens
+    attrs.update(tags or {})
+    event = TurnEvent(
+        ts=res.start_ts, source="client", event="client_turn", conversation_id=conv.conversation_id, turn=number,
+        request_id=res.request_id, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion,
+        ttft_ms=res.ttft_ms, duration_ms=res.duration_ms, gap_s=gap, status=res.status,
+        http_status=res.http_status, attrs=attrs)
+    log.write(event)
+    stats = request_stats(prompt, res, prompt_tokens, completion, previous_sequence_tokens=conv.last_sequence_tokens,
+                          conversation_id=conv.conversation_id, client_id=conv.index)
+    record = RequestRecord(event=event, stats=stats)
+    records.append(record)
+    return record
 
 
 def request_stats(prompt: Sequence[dict[str, Any]], res: ChatResult, prompt_tokens: int, completion: int, *,
