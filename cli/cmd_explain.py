@@ -54,6 +54,12 @@ def _progress_fn(console: Console, enabled: bool) -> tuple[Any, Any]:
     return bar, update
 
 
+def _note_corrupt(stats: LineStats) -> None:
+    if stats.corrupt:
+        first = f" (first: {stats.notes[0]})" if stats.notes else ""
+        click.echo(f"note: skipped {stats.corrupt} corrupt line(s){printable(first)}", err=True)
+
+
 def _note_unrecognised(stats: LineStats) -> None:
     names = stats.unrecognised_files
     if names:
@@ -98,6 +104,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
             if bar is not None:
                 bar.stop()
     except ConversationNotFoundError as exc:
+        _note_corrupt(stats)
         _note_unrecognised(stats)
         click.echo(f"Error: {printable(str(exc))}. Check the id, or add the client/router logs that carry it.",
                    err=True)
@@ -105,9 +112,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
     except UnreadableLogError as exc:
         raise click.ClickException(f"{printable(str(exc))}. Fix the path or permissions, or leave the file out."
                                    ) from None
-    if stats.corrupt:
-        first = f" (first: {stats.notes[0]})" if stats.notes else ""
-        click.echo(f"note: skipped {stats.corrupt} corrupt line(s){printable(first)}", err=True)
+    _note_corrupt(stats)
     _note_unrecognised(stats)
     if not conversation_id and not convs:
         click.echo("Error: no conversations found in the logs given. Pass the client, router/proxy, prefill and "

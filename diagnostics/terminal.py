@@ -59,10 +59,21 @@ def cell(text: str, style: str | None = None) -> Text:
     return Text(text, style=style or "", no_wrap=True, overflow="ellipsis")
 
 
-def _start(ts: float | None, with_date: bool) -> str:
+def _utc(ts: float | None) -> time.struct_time | None:
+    """``ts`` as UTC, or None where it is no time the platform can show (a producer's bad value, 1e308 say)."""
     if ts is None:
+        return None
+    try:
+        return time.gmtime(ts)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _start(ts: float | None, with_date: bool) -> str:
+    utc = _utc(ts)
+    if utc is None:
         return MISSING
-    return time.strftime("%m-%d %H:%M:%S" if with_date else "%H:%M:%S", time.gmtime(ts))
+    return time.strftime("%m-%d %H:%M:%S" if with_date else "%H:%M:%S", utc)
 
 
 def _reused_tokens(t: TurnRecord) -> int | None:
@@ -94,10 +105,10 @@ def explain_renderables(conv: ConversationRecord, *, width: int, wide: bool = Fa
 
 
 def _turn_table(conv: ConversationRecord) -> Table:
-    days = {time.gmtime(t.start_ts)[:3] for t in conv.turns if t.start_ts is not None}
+    starts = [utc for utc in map(_utc, (t.start_ts for t in conv.turns)) if utc is not None]
+    days = {utc[:3] for utc in starts}
     table = compact_table(Text(f"conversation {conv.conversation_id}" + (
-        f" ({time.strftime('%Y-%m-%d', time.gmtime(next(t.start_ts for t in conv.turns if t.start_ts)))} UTC)"
-        if len(days) == 1 else "")))
+        f" ({time.strftime('%Y-%m-%d', starts[0])} UTC)" if len(days) == 1 else "")))
     for name, justify in (("turn", "right"), ("start", "left"), ("TTFT", "right"), ("prompt", "right"),
                           ("reused", "right"), ("verdict", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]

@@ -5,9 +5,10 @@ Library entry points (report/advise read the same engine's table)::
     convs = load_turns(["demo-out/*"])                 # every conversation
     conv = explain_conversation(["demo-out/*"], "c1")  # one conversation, byte-prefiltered
 
-One conversation is found with a byte-level prefilter (scan.py): first the lines naming the
-conversation (or its hashed tag), then the lines naming its request ids; only those reach the engine,
-which decides them exactly as it decides every conversation (diagnostics/verdict_engine.py, rules.py).
+One conversation is found with a byte-level prefilter (conversation_lines.py): the lines naming the
+conversation (or its hashed tag), then those naming its request ids, and those of any conversation id
+that names one of its requests too; only those reach the engine, which decides them exactly as it
+decides every conversation (verdict_engine.py, rules.py).
 """
 
 from __future__ import annotations
@@ -17,25 +18,20 @@ import difflib
 import gc
 import importlib
 import itertools
-import json
-import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
-from kvdiag.diagnostics.conversation_ids import id_tags
+from kvdiag.diagnostics.conversation_lines import select_lines
 from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
 from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
-from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_document, parse_json_numbered
+from kvdiag.diagnostics.json_logs import ClientStat, parse_json_document
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
-from kvdiag.diagnostics.scan import grep_prefixed, grep_regex, head_lines, is_json_document
+from kvdiag.diagnostics.scan import grep_regex, is_json_document
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.schema.errors import KVDiagError
-from kvdiag.schema.request_ids import header_request_id
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 
 if TYPE_CHECKING:
@@ -48,8 +44,6 @@ if TYPE_CHECKING:
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
-HEAD_KEYWORDS: Final = (b"Bidirectional KV transfer is enabled", b"remote block size")
-HEAD_BYTES: Final = 4 * 1024 * 1024  # engine settings are logged at startup
 SOURCES: Final = ("client", "router", "prefill", "decode")
 
 
@@ -62,13 +56,18 @@ class UnreadableLogError(ExplainError):
 
 
 class ConversationNotFoundError(ExplainError):
-    """The conversation id appears in none of the logs; ``closest`` lists near ids."""
+    """The conversation has no turn in the logs: its id appears in none of them, or (``named``) only on lines
+    that make no turn; ``closest`` lists near ids (never the id itself)."""
 
-    def __init__(self, conversation_id: str, closest: list[str]) -> None:
+    def __init__(self, conversation_id: str, closest: list[str], *, named: bool = False) -> None:
+        closest = [c for c in closest if c != conversation_id]
         hint = f"; closest ids: {', '.join(closest)}" if closest else ""
-        super().__init__(f"conversation {conversation_id!r} not found in the logs given{hint}")
+        what = ("is named in the logs given, but on no line that makes a turn (a request, a client statistic or a "
+                "turn event)") if named else "not found in the logs given"
+        super().__init__(f"conversation {conversation_id!r} {what}{hint}")
         self.conversation_id = conversation_id
         self.closest = closest
+        self.named = named
 
 
 class _Progress:
@@ -349,53 +348,26 @@ class _PreparedRun:
 def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: ProgressFn | None,
                          prepared: _PreparedRun, *, stats: LineStats) -> ConversationRecord:
     tick = _Progress(sum(f.size for f in files), progress, 2)
-    tags = id_tags(conversation_id)
-    # JSON writers escape non-ASCII and quotes: look for that spelling too
-    json_tags = [t.encode() for t in dict.fromkeys(tags + [json.dumps(t)[1:-1] for t in tags])]
-
-    def first_lines(f: LogFile) -> list[tuple[int, bytes]]:
-        # exact matches only ("conv=<id>:" / "<id>" in quotes): id c1 must not pull in c10..c19
-        if f.fmt != "proxy":
-            return list(grep_prefixed(f.path, b'"', json_tags, tick, suffix=b'"'))
-        # (and the restarts, for router_state_lost)
-        return list(grep_prefixed(f.path, b"conv=", [t.encode() for t in tags], tick, suffix=b":", also=[b"Ready: "]))
-
-    # Pass 1: the lines naming the conversation (client, router, proxy, events).
-    first = [f for f in files if f.fmt in ("events", "client_stats", "proxy") and not is_json_document(f.path)]
-    kept = _parallel(first, first_lines)
-    events, client, proxy = _parse_first(first, kept)
     documents = [f for f in files if f.fmt == "client_stats" and is_json_document(f.path)]
-    client += [s for f in documents for s in _document_stats(f)]
-    rids = _request_ids(events, client, proxy, conversation_id)
-    if not rids and not any(c.conversation_id == conversation_id for c in client):
+    first_stats = LineStats()
+    with _reading():
+        stats_documents = [s for f in documents for s in _document_stats(f)]
+        sel = select_lines(files, conversation_id, tick, first_stats, stats_documents)
+    if not sel.complete:  # (links past the prefilter's bounds: every line is read, as explain --all reads them)
+        prepared.close()
+        return _explain_from_every_line(files, conversation_id, progress, stats)
+    if not sel.request_ids and not sel.named:
+        stats.merge(first_stats)  # (the engine reads none of these lines: their corrupt ones are counted here)
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
-    # Pass 2: the lines naming its request ids (engine logs, rid-only proxy lines, engine events).
-    rid_needles = sorted({r.encode() for r in rids})
-
-    def second_lines(f: LogFile) -> list[tuple[int, bytes]]:
-        if f.fmt == "vllm":
-            # engine lines name requests as chatcmpl-<rid>/cmpl-<rid>; settings lines sit at the start
-            found = dict(head_lines(f.path, HEAD_KEYWORDS, HEAD_BYTES))
-            found.update(grep_prefixed(f.path, b"cmpl-", rid_needles, tick))
-            return sorted(found.items())
-        if f.fmt == "proxy":
-            return list(grep_prefixed(f.path, b"[", rid_needles, tick, suffix=b"]"))
-        # events name the request as "request_id":"<id>" and/or an engine id "chatcmpl-<id>-<8>"
-        return list(grep_prefixed(f.path, (b'"', b"cmpl-"), rid_needles, tick))
-
-    # every file that can name a request id: the proxy's "[rid] Prefill done" lines carry a turn's prefill time
-    # and failures, router events without a conversation and engine events join by the id
-    second_files = [f for f in files if f.fmt in ("vllm", "proxy", "events")]
-    # Engine logs are read even when no request id was found: their startup lines still say which
-    # roles are present and how they are configured.
-    more = _parallel(second_files, second_lines)
-    for path, lines in more.items():
-        kept[path] = sorted({**dict(kept.get(path, [])), **dict(lines)}.items())
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
 
-    run = prepared.take()
+    if len(sel.ids) == 1:
+        run = prepared.take()
+    else:  # (linked conversations: each one's turns are placed as explain --all places them)
+        prepared.close()
+        run = engine.new_run(files, None)
     try:
-        if not documents and sum(map(len, kept.values())) <= FEW_LINES:
+        if not documents and sum(map(len, sel.kept.values())) <= FEW_LINES:
             engine.use_few_rows(run)
         with _reading():
             for f, lf in enumerate(files):
@@ -403,8 +375,8 @@ def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: P
                     run.stats.unrecognised_files.append(lf.path)
                 elif lf in documents:
                     engine.add_document(run, f)
-                elif lf.path in kept:
-                    engine.add_lines(run, f, kept[lf.path])
+                elif lf.path in sel.kept:
+                    engine.add_lines(run, f, sel.kept[lf.path])
             engine.parse(run)
             engine.decide(run)
             wanted = engine.wanted_windows(run)
@@ -416,6 +388,19 @@ def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: P
             convs = [c for c in records(run) if c.conversation_id == conversation_id]
     finally:
         run.con.close()
+    if not convs:  # (named, but on no line that makes a turn: a stale-entry line alone, say)
+        raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id), named=True)
+    return convs[0]
+
+
+def _explain_from_every_line(files: list[LogFile], conversation_id: str, progress: ProgressFn | None,
+                             stats: LineStats) -> ConversationRecord:
+    run = run_all(files, progress)
+    try:
+        stats.merge(run.stats)
+        convs = [c for c in records(run) if c.conversation_id == conversation_id]
+    finally:
+        run.con.close()
     if not convs:
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
     return convs[0]
@@ -424,60 +409,12 @@ def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: P
 FEW_LINES: Final = 5000  # up to this many prefiltered lines, one conversation's statements run unoptimized
 
 
-def _parallel(files: list[LogFile], lines_for: Callable[[LogFile], list[tuple[int, bytes]]]
-              ) -> dict[str, list[tuple[int, bytes]]]:
-    """Run the per-file prefilters (grep subprocesses, mostly) side by side; only matching lines are held."""
-    workers = max(1, min(len(files), os.cpu_count() or 1, 4))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {f.path: pool.submit(lines_for, f) for f in files}
-        try:
-            return {path: fut.result() for path, fut in futures.items()}
-        except (LogReadError, OSError, EOFError) as exc:
-            raise UnreadableLogError(str(exc)) from None
-
-
-def _parse_first(files: list[LogFile], kept: dict[str, list[tuple[int, bytes]]]
-                 ) -> tuple[list[EventRecord], list[ClientStat], list[Any]]:
-    """Pass 1's lines, parsed only to learn the conversation's request ids (the engine reads them again)."""
-    events: list[EventRecord] = []
-    client: list[ClientStat] = []
-    proxy: list[Any] = []
-    for f in files:
-        lines = kept.get(f.path, [])
-        if f.fmt == "proxy":
-            proxy.extend(parse_proxy_numbered(lines, f.path))
-            continue
-        for rec in parse_json_numbered(lines, f.path):
-            (events if isinstance(rec, EventRecord) else client).append(rec)  # type: ignore[arg-type]
-    return events, client, proxy
-
-
 def _document_stats(f: LogFile) -> list[ClientStat]:
     try:
         with open_binary(f.path) as fh:
             return list(parse_json_document(fh.read(), f.path))
     except (OSError, EOFError) as exc:
         raise UnreadableLogError(f"cannot read {f.path}: {exc}") from None
-
-
-def _request_ids(events: list[EventRecord], client: list[ClientStat], proxy: list[Any], conversation_id: str
-                 ) -> set[str]:
-    tags = set(id_tags(conversation_id))
-    rids: set[str] = set()
-    for ev in events:
-        e = ev.event
-        if e.conversation_id in tags:
-            rids.update(header_request_id(r) for r in (e.request_id, e.engine_request_id) if r)
-    for stat in client:
-        if stat.conversation_id == conversation_id and stat.request_id:
-            rids.add(stat.request_id)
-    for rec in proxy:
-        if rec.fields.get("conv") in tags:
-            if "rid" in rec.fields:
-                rids.add(rec.fields["rid"])
-            if "remote" in rec.fields:
-                rids.add(header_request_id(rec.fields["remote"]))
-    return {r for r in rids if len(r) >= 4}  # a tiny id would match half the file
 
 
 def closest_ids(files: list[LogFile], conversation_id: str, limit: int = 5) -> list[str]:

@@ -208,3 +208,25 @@ def test_fix_hint_follows_the_missing_metadata_cause() -> None:
     late = TurnRecord("c", 2, verdict=Verdict.EXPIRED_REMOTE_READ, gap_s=7.0)
     _fix_hint(late, ctx)
     assert late.fix.startswith("gap 7 s vs decoder_kv_blocks_ttl 10 s") and "raise the TTL" in late.fix
+
+
+def test_a_conversation_whose_lines_are_all_corrupt_is_not_found_and_says_why(tmp_path: Path) -> None:
+    # ts is no finite number on each of its lines: every one is skipped, and the error says so
+    line = '{"v":1,"source":"client","event":"client_turn","conversation_id":"c9","turn":%d,"ts":Infinity}\n'
+    (tmp_path / "client-events.jsonl").write_text("".join(line % t for t in (1, 2)))
+    res = CliRunner().invoke(cli, ["explain", "--conversation-id", "c9", str(tmp_path)])
+    assert res.exit_code == 2 and "not found" in res.stderr
+    assert "skipped 2 corrupt line(s)" in res.stderr and "client-events.jsonl:1: field 'ts'" in res.stderr
+
+
+def test_a_start_time_no_clock_can_show_is_drawn_as_missing(tmp_path: Path) -> None:
+    # a producer's 1e308 (finite, so the schema takes it) must not stop the table from printing
+    with (tmp_path / "client-events.jsonl").open("w") as fh:
+        for turn, ts in ((1, 1_764_400_000.0), (2, 1e308)):
+            fh.write(json.dumps({"v": 1, "source": "client", "event": "client_turn", "conversation_id": "c1",
+                                 "turn": turn, "ts": ts}) + "\n")
+    for extra in ([], ["--wide"]):
+        res = CliRunner().invoke(cli, ["explain", "--conversation-id", "c1", *extra, str(tmp_path)])
+        assert res.exit_code == 0, res.output
+        rows = [ln.split() for ln in res.stdout.splitlines() if ln.strip().startswith(("1 ", "2 ", "│ 1", "│ 2"))]
+        assert len(rows) == 2 and "-" in rows[1][:4], res.stdout
