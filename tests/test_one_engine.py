@@ -132,3 +132,16 @@ def test_a_conversation_whose_events_carry_no_request_id_is_found(tmp_path: Path
     records = kvdiag.load_turns(files)
     assert [len(c.turns) for c in records] == [2]
     _one_by_one_equals(files, records)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_conversation_agrees_with_all_when_real_vllm_lines_are_lost(tmp_path: Path, seed: int) -> None:
+    # a real INFO run with P's stats windows deciding turns, a tenth of every log's lines lost
+    rng = random.Random(seed)
+    for path in (FIXTURES / "real_vllm_info").iterdir():
+        lines = path.read_bytes().splitlines(keepends=True)
+        (tmp_path / path.name).write_bytes(b"".join(ln for ln in lines if rng.random() >= 0.1))
+    files = _files(tmp_path)
+    records = kvdiag.load_turns(files)
+    assert len(records) >= 5
+    _one_by_one_equals(files, records)
