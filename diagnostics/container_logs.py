@@ -9,6 +9,10 @@ Recognised by content (never by file name), from the first lines of a file:
   a piece without the trailing newline is partial and joined with the next) and the JSON lines log
   shippers write (fluent-bit: ``log`` plus ``kubernetes`` metadata; Vector: ``message`` plus
   ``kubernetes``), split per pod and container when the metadata names them;
+* ``json`` also covers vLLM's own JSON records (``--logging-config.formatter json``: ``asctime``,
+  ``levelname``, ``name``, ``processName``, ``process``, ``message``), each written back as the line vLLM's
+  text formatter would write (``[<logger name>:0]`` stands for the file and line the records lack, and a
+  message's line breaks become carriage returns, so it stays one line);
 * ``kubectl``: ``kubectl logs --prefix`` (``[pod/<pod>/<container>] <line>``, split per pod and
   container: ``--all-containers`` interleaves them) and ``--timestamps`` (an RFC 3339 time before
   each line), alone or together.
@@ -27,7 +31,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Final
+from typing import IO, Any, Final
 
 from kvdiag.diagnostics.detect import LogReadError, open_binary, whole_line_blocks
 from kvdiag.diagnostics.linestats import LineStats
@@ -80,7 +84,30 @@ def _json_wrapper(line: bytes) -> bool:
         return False
     if isinstance(obj.get("log"), str) and ({"stream", "time", "kubernetes", "logtag"} & obj.keys()):
         return True
+    if "log" not in obj and vllm_json_line(obj) is not None:
+        return True
     return isinstance(obj.get("message"), str) and isinstance(obj.get("kubernetes"), dict)
+
+
+_ASCTIME_RE: Final = re.compile(r"\d{4}-(\d\d-\d\d)[ T](\d\d:\d\d:\d\d)")
+
+
+def vllm_json_line(obj: dict[str, Any]) -> str | None:
+    """The text line vLLM writes for the record its JSON formatter wrote as ``obj`` (None: not such a record)."""
+    level, stamp, msg = obj.get("levelname"), obj.get("asctime"), obj.get("message")
+    if not (isinstance(level, str) and isinstance(stamp, str) and isinstance(msg, str)):
+        return None
+    m = _ASCTIME_RE.match(stamp)
+    if m is None:
+        return None
+    proc = obj.get("vllm_process_name") or obj.get("processName")
+    pid = obj.get("process")
+    head = f"({proc} pid={pid}) " if isinstance(proc, str) and isinstance(pid, int) else ""
+    name = obj.get("name") if isinstance(obj.get("name"), str) else "vllm"
+    exc = obj.get("exc_info")
+    if isinstance(exc, str) and exc:  # (the traceback the text formatter writes after the message)
+        msg = f"{msg}\n{exc}"
+    return f"{head}{level} {m.group(1)} {m.group(2)} [{name}:0] " + msg.replace("\r\n", "\n").replace("\n", "\r")
 
 
 def sniff_wrapper(head: bytes) -> Wrapper | None:
@@ -313,6 +340,8 @@ def _json_record(obj: object) -> tuple[bytes | None, str, bool]:
     """(text, stream, complete) of one record; text None when it is not one."""
     if not isinstance(obj, dict):
         return None, "", True
+    if "log" not in obj and (line := vllm_json_line(obj)) is not None:
+        return line.encode("utf-8", errors="replace"), "", True
     raw = obj.get("log")
     if not isinstance(raw, str):
         raw = obj.get("message")
