@@ -173,6 +173,15 @@ RULES: Final[tuple[Rule, ...]] = (
          f"CASE WHEN coalesce(s_input_num_turns <= 2, false) THEN {CONFIRMED} ELSE {INFERRED} END",
          q("first turn of the conversation: nothing to retrieve yet"), ("px_first", "stat_ref")),
     # ---- a later turn the router sent without a handle: why was there none?
+    # (after requests that all failed a turn starts afresh, as turn 1 does: if it fails too, that is its verdict)
+    Rule("failed_again", f"{NO_HANDLE} AND {PREV} AND earlier_all_failed AND failed_why IS NOT NULL",
+         v(Verdict.REQUEST_FAILED), CONFIRMED,
+         "'every earlier request of the conversation failed, and so did this one: ' || failed_why",
+         ("failed_ref", MISS)),
+    Rule("leg_failed_again", f"{NO_HANDLE} AND {PREV} AND earlier_all_failed AND {LEG_FAILED}",
+         v(Verdict.REQUEST_FAILED), INFERRED,
+         q("every earlier request of the conversation failed, and so did this one: the proxy logged no 'Prefill "
+           "done' for it (the prefill leg failed)"), (MISS,)),
     Rule("nothing_ever_answered", f"{NO_HANDLE} AND {PREV} AND earlier_all_failed", v(Verdict.FIRST_TURN), INFERRED,
          q("every earlier request of the conversation failed: nothing to retrieve yet"), (MISS, "prev_px_first")),
     # Later revisions of the example proxy check the history themselves and say when they hold a handle back.

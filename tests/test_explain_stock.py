@@ -230,3 +230,23 @@ def test_a_start_time_no_clock_can_show_is_drawn_as_missing(tmp_path: Path) -> N
         assert res.exit_code == 0, res.output
         rows = [ln.split() for ln in res.stdout.splitlines() if ln.strip().startswith(("1 ", "2 ", "│ 1", "│ 2"))]
         assert len(rows) == 2 and "-" in rows[1][:4], res.stdout
+
+
+def test_a_turn_after_requests_that_all_failed_that_fails_too_is_request_failed(tmp_path: Path) -> None:
+    # F: no request ever answered (no "Prefill done", no handle stored): each turn failed, the later ones too,
+    # not "first turn" again; G: turn 1 failed, turn 2 answered: turn 2 is a first turn (nothing to retrieve)
+    head = "2026-11-29 06:55:0{} [INFO] disagg_proxy: "
+    lines = [head.format(0) + "Ready: 1 prefill, 1 decode instances"]
+    for i, rid in enumerate(("f1" * 16, "f2" * 16, "f3" * 16), start=1):
+        lines.append(head.format(i) + f"[{rid}] conv=F: cache MISS")
+    lines.append(head.format(4) + f"[{'g1' * 16}] conv=G: cache MISS")
+    lines.append(head.format(5) + f"[{'g2' * 16}] conv=G: cache MISS")
+    lines.append(head.format(5) + f"[{'g2' * 16}] Prefill done in 40ms")
+    lines.append(head.format(6) + f"conv=G: cached D blocks (remote_request_id=chatcmpl-{'g2' * 16}-0a0b0c0d, "
+                                   "blocks=3)")
+    (tmp_path / "proxy.log").write_text("\n".join(lines) + "\n")
+    failed = [(n, "request_failed", "inferred") for n in (1, 2, 3)]
+    assert _verdicts("F", [str(tmp_path)]) == failed
+    assert _verdicts("G", [str(tmp_path)]) == [(1, "request_failed", "inferred"), (2, "first_turn", "inferred")]
+    reason = explain_conversation([str(tmp_path)], "F").turns[2].reason
+    assert reason.startswith("every earlier request of the conversation failed, and so did this one")
