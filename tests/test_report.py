@@ -83,6 +83,14 @@ def test_ttft_reused_vs_recomputed_per_bucket() -> None:
     assert ttft.loc["<2k", "reused_n"] == 0  # first turns are not in the reused/recomputed comparison
 
 
+def test_a_failed_turn_is_not_a_recomputed_one_in_the_ttft_table() -> None:
+    # its TTFT is the time to the error: as a recomputed turn it would make recomputing look fast
+    convs = _small()
+    convs[1].turns.append(_turn("b", 3, Verdict.REQUEST_FAILED, 3500, 3.0, 40.0))
+    row = build_report(build_turn_table(convs)).ttft.loc["2-8k"]
+    assert row["recomputed_n"] == 2 and row["recomputed_p50_ms"] == pytest.approx(250.0)
+
+
 def test_gap_summary_against_ttl() -> None:
     g = build_report(build_turn_table(_small()), 480.0).gaps
     assert g.later_turns == 3 and g.gaps_known == 3

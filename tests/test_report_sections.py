@@ -61,7 +61,8 @@ def _mix(df: pd.DataFrame, by: str) -> list[dict[str, Any]]:
 
 
 def _ttft(df: pd.DataFrame) -> list[dict[str, Any]]:
-    later = df[(df["turn"] > 1) & df["ttft_ms"].notna() & df["prompt_bucket"].notna()]
+    later = df[(df["turn"] > 1) & df["ttft_ms"].notna() & df["prompt_bucket"].notna()
+               & (df["verdict"] != "request_failed")]
     rows = []
     for bucket in PROMPT_BUCKETS:
         row: dict[str, Any] = {"prompt_bucket": bucket}
