@@ -39,8 +39,8 @@ MIN_RUN: Final = 3
 
 @dataclass
 class Selected:
-    """What the prefilter kept: each file's numbered lines, the conversation ids read (the asked one first) and
-    the client statistics and events of the first pass."""
+    """What the prefilter kept: each file's numbered lines, the conversation ids read (the asked one first), the
+    request ids found, whether a line names the asked conversation, and whether the links stayed in bounds."""
 
     kept: dict[str, Numbered] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)
