@@ -57,10 +57,9 @@ class UnreadableLogError(ExplainError):
 
 class ConversationNotFoundError(ExplainError):
     """The conversation has no turn in the logs: its id appears in none of them, or (``named``) only on lines
-    that make no turn; ``closest`` lists near ids (never the id itself)."""
+    that make no turn; ``closest`` lists near ids."""
 
     def __init__(self, conversation_id: str, closest: list[str], *, named: bool = False) -> None:
-        closest = [c for c in closest if c != conversation_id]
         hint = f"; closest ids: {', '.join(closest)}" if closest else ""
         what = ("is named in the logs given, but on no line that makes a turn (a request, a client statistic or a "
                 "turn event)") if named else "not found in the logs given"
@@ -418,7 +417,8 @@ def _document_stats(f: LogFile) -> list[ClientStat]:
 
 
 def closest_ids(files: list[LogFile], conversation_id: str, limit: int = 5) -> list[str]:
-    """Conversation ids seen in the client/router/proxy logs that look most like ``conversation_id``."""
+    """Conversation ids seen in the client/router/proxy logs that look most like ``conversation_id`` (never the
+    id itself: a conversation named on lines that make no turn is still not found)."""
     pattern = re.compile(rb'"conversation_id": ?"([^"]{1,200})"|conv=([^\s:]{1,200})')
     seen: set[str] = set()
     for f in files:
@@ -432,6 +432,7 @@ def closest_ids(files: list[LogFile], conversation_id: str, limit: int = 5) -> l
                     break
         except LogReadError:
             continue
+    seen.discard(conversation_id)
     return difflib.get_close_matches(conversation_id, sorted(seen), n=limit, cutoff=0.3)
 
 
