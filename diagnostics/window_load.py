@@ -29,6 +29,7 @@ from kvdiag.diagnostics.windows import (
     LogIndex,
     ProxyRange,
     build_ledger,
+    clock_offset,
     vllm_wall_clock,
 )
 
@@ -339,11 +340,15 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
     if not starts:
         return None
     spans = _spans((starts[r], max(ends[r], starts[r]) + (0 if ends[r] > starts[r] else OPEN_READ_S)) for r in starts)
-    proxy_ere, vllm_ere = span_patterns(spans)
+    # P's log is read at P's own times: where its clock is off the proxy's (another time zone, say), the offset
+    # its lines naming this conversation's requests give, as build_ledger measures it on every line it is given
+    offset = clock_offset(index)
+    p_spans = [(lo + offset, hi + offset) for lo, hi in spans]
+    proxy_ere, vllm_ere = span_patterns(spans)[0], span_patterns(p_spans)[1]
     seen = {(r.path, r.lineno) for r in index.proxy}
     extra = LogIndex(events=index.events, file_roles=index.file_roles, formats=index.formats)
     stats = LineStats()
-    center = min(starts.values())
+    center = min(starts.values()) + offset
     # Stat lines several a second mark no windows: a look at the minute around the first read (a few
     # reads of P's log at bisected offsets) spares reading the rest.
     if not all(_periodic(_probe(path, center)) for path in _engine_files(index)):
@@ -351,7 +356,7 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
     p_lines: dict[str, dict[int, bytes]] = {}
     for path in _engine_files(index):
         numbered = [r for r in index.vllm if r.path == path]
-        p_lines[path] = dict(ln for ln in _span_lines(path, spans, vllm_ere, numbered) if _SPAN_KEEP.search(ln[1]))
+        p_lines[path] = dict(ln for ln in _span_lines(path, p_spans, vllm_ere, numbered) if _SPAN_KEEP.search(ln[1]))
     for path, lines in p_lines.items():
         lines.update(head_lines(path, (b"Transfer plan: ", b"with config: "), HEAD_LIMIT))
         extra.vllm.extend(parse_vllm_numbered(sorted(lines.items()), path, stats))

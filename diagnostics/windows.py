@@ -576,6 +576,17 @@ def _clock_offset(anchors: list[tuple[Offer, VllmRecord]], ref: float) -> tuple[
     return 0.0, "P's clock and the proxy's disagree (P's lines naming requests fall outside the proxy's times for them)"
 
 
+def clock_offset(index: LogIndex) -> float:
+    """P's clock minus the proxy's, as build_ledger measures it, on the P lines of ``index`` that name a request
+    the proxy offered (0 when none does, or when they disagree)."""
+    p_paths = _prefill_paths(index)
+    offers, _prefills = _offers(index)
+    times = [t for t in (wall_clock(r.ts) for r in index.proxy) if t is not None]
+    if not p_paths or not offers or not times:
+        return 0.0
+    return _clock_offset(_p_status(index, set(p_paths), offers), min(times))[0]
+
+
 @dataclass(frozen=True)
 class ProxyRange:
     """The time the proxy log files given cover (their first and last lines), proxy clock."""

@@ -278,6 +278,21 @@ def test_a_skewed_p_clock_the_lines_cannot_measure_decides_nothing(tmp_path: Pat
     assert got[("agent-b", 2)][0] == "unknown" and "clock" in got[("agent-b", 2)][2]
 
 
+@pytest.mark.parametrize("seconds", [25, 3600, -7200])
+def test_one_conversation_reads_a_skewed_p_log_at_p_s_own_times(tmp_path: Path, seconds: int) -> None:
+    # P an hour or two off the proxy (another time zone): one conversation's explain measures the offset on its
+    # own requests' P lines and reads P's stat lines at P's times, as explain --all does with every request's
+    # lines. Read at the proxy's times, the windows found were the wrong minutes': agent-i's below_threshold and
+    # six window-decided remote_hits came out otherwise.
+    run = _copy(tmp_path, prefill_log=lambda t: _shift_p_clock(_with_request_logging(t), seconds))
+    every = {c.conversation_id: c for c in load_turns([str(run)])}
+    assert not _wrong(_verdicts(list(every.values())))
+    assert every["agent-i"].turns[1].verdict.value == "below_threshold"
+    for conv_id, conv in every.items():
+        one = explain_conversation([str(run)], conv_id)
+        assert [t.to_json_dict() for t in one.turns] == [t.to_json_dict() for t in conv.turns], conv_id
+
+
 def test_a_skewed_p_clock_without_request_lines_gives_no_wrong_verdict(tmp_path: Path) -> None:
     def edit(text: str) -> str:
         text = "".join(ln for ln in text.splitlines(keepends=True)
