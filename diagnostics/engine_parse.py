@@ -351,11 +351,12 @@ def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str,
 # The proxy log (engine_proxy) and the patterns' reading, which the vLLM statements share.
 
 
-def parse_proxy_sql() -> list[str]:
-    """Statements: ``pl`` from lines_proxy (engine_proxy.parse_proxy_sql)."""
-    from kvdiag.diagnostics.engine_proxy import parse_proxy_sql  # noqa: PLC0415  (it reads this module's helpers)
+def parse_proxy_sql(lines: Iterable[str] | None = None) -> list[str]:
+    """Statements: ``pl`` from lines_proxy (engine_proxy.parse_proxy_sql); ``lines``: every line of lines_proxy,
+    when they are few (only the classifiers one of them can match are compiled)."""
+    from kvdiag.diagnostics import engine_proxy  # noqa: PLC0415  (it reads this module's helpers)
 
-    return parse_proxy_sql()
+    return engine_proxy.parse_proxy_sql(None if lines is None else engine_proxy.kinds_present(lines))
 
 
 # What Python's \s reads in a str pattern (str.isspace: the ASCII separators \x1c-\x1f and \v too), in RE2's

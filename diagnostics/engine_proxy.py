@@ -9,6 +9,7 @@ as Python does.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Iterable
 from typing import Final
 
 from kvdiag.diagnostics import proxy_log_parser as proxy_log
@@ -94,13 +95,22 @@ def _by_kind(exprs: dict[int, str]) -> str:
     for i, value in exprs.items():
         by_value.setdefault(value, []).append(i)
     whens = [f"WHEN k IN ({', '.join(map(str, ks))}) THEN {value}" for value, ks in by_value.items()]
-    return f"CASE {' '.join(whens)} END" if whens else "NULL"
+    return f"CASE {' '.join(whens)} END" if whens else "NULL::VARCHAR"
 
 
-def parse_proxy_sql() -> list[str]:
-    """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives."""
+def kinds_present(lines: Iterable[str]) -> set[int]:
+    """The classifiers (by index) whose pattern's longest literal one of ``lines`` holds: no other can take one."""
+    texts = list(lines)
+    return {i for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS)
+            if any(literal in t for t in texts for literal in [longest_literal(regex)])}
+
+
+def parse_proxy_sql(present: Collection[int] | None = None) -> list[str]:
+    """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives.
+    ``present``: the classifiers that can take a line (kinds_present), when known; the others are left out."""
+    classes = [(i, kind, regex) for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS) if present is None or i in present]
     kinds, groups = [], []
-    for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS):
+    for i, kind, regex in classes:
         if kind in _FORMS:
             names = "[" + ", ".join(sql_str(g) for g in regex.groupindex) + "]"
             groups.append(f"CASE WHEN {_kind_test(regex)} THEN regexp_extract(msg, {sql_str(_FORMS[kind])}, {names}) "
@@ -111,7 +121,7 @@ def parse_proxy_sql() -> list[str]:
     fields = []
     for name in PROXY_GROUPS:
         exprs: dict[int, str] = {}
-        for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS):
+        for i, kind, regex in classes:
             if name not in regex.groupindex:
                 continue
             if kind in _FORMS:  # (the greedy conversation id less its ":")
@@ -136,7 +146,8 @@ def parse_proxy_sql() -> list[str]:
                 FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
                 WHERE regexp_matches(t, {sql_str(_re2(PROXY_HEAD_RE))})),
             i AS (SELECT *, substr(msg, q + 2, {_WORD}) AS w FROM (SELECT *, CASE lead {ends} END AS q FROM m)),
-            c AS (SELECT *, CASE {' '.join(kinds)} END AS k FROM (SELECT *, {', '.join(groups)} FROM i))
+            c AS (SELECT *, {f"CASE {' '.join(kinds)} END" if kinds else 'NULL::INTEGER'} AS k
+                  FROM (SELECT *{''.join(', ' + g for g in groups)} FROM i))
             SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
               SELECT f, n, ts, {kind_name} AS kind, {', '.join(fields)} FROM c)""",
         "DELETE FROM pl WHERE kind IS NULL",

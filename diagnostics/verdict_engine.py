@@ -30,7 +30,7 @@ from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
 from kvdiag.diagnostics.engine_facts import facts_sql
-from kvdiag.diagnostics.engine_join import join_sql
+from kvdiag.diagnostics.engine_join import FewRowsOnly, join_sql
 from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion, branch_statements, stand_in
 from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
@@ -91,6 +91,7 @@ class Run:
     side_needles: tuple[str, ...] = ()
     side_markers: dict[int, tuple[str, ...]] = field(default_factory=dict)
     few_rows: bool = False  # set by use_few_rows
+    documents: bool = False  # add_document wrote cs_doc (a catalog lookup costs a conversation's run 11 ms)
 
     @property
     def paths(self) -> dict[int, str]:
@@ -410,6 +411,7 @@ def add_document(run: Run, f: int) -> None:
     rows = [(f, r.lineno, r.text, r.conversation_id, r.ttft_ms, r.latency_ms, r.start_time_ms, r.input_num_turns,
              r.input_num_tokens, r.output_num_tokens, r.turn, r.request_id, 0)
             for r in parse_json_document(data, path, run.stats)]
+    run.documents = True
     if rows:
         run.con.executemany("INSERT INTO cs_doc VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
@@ -423,13 +425,16 @@ def parse(run: Run) -> None:
     stats = any(lf.fmt == "client_stats" for lf in run.files)
     for q in ep.parse_json_sql(stats=stats):
         execute(run, q)
-    for q in (*ep.parse_events_sql(ep.event_fields(run.con), stats=stats), *ep.parse_proxy_sql(),
+    # (a few lines: only the proxy classifiers one of them can match; RE2 compiles each pattern at every run)
+    proxy = [ln for (ln,) in run.con.execute("SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()
+             ] if run.few_rows else None
+    for q in (*ep.parse_events_sql(ep.event_fields(run.con), stats=stats), *ep.parse_proxy_sql(proxy),
               *ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii)):
         execute(run, q)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
     words = [w for (w,) in run.con.execute("SELECT DISTINCT w FROM vl_head").fetchall()]
     execute(run, ep.vllm_records_sql(words, ascii_branch=many, all_ascii=all_ascii))
-    if run.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'cs_doc'").fetchall()[0][0]:
+    if run.documents:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
     ep.read_odd_json(run.con, run.paths, run.stats)
     if not run.evidence:  # (only an evidence text reads a JSON line again: its memory goes for the joins)
@@ -557,12 +562,12 @@ def _finds_a_row(run: Run, query: str) -> bool:
 
 def _as_run(run: Run, q: str, *, no_events: bool) -> list[str]:
     """The statements that stand for ``q`` in this run: none or an empty table for an events-only one without
-    events; with few rows, a union's branches that have rows, a turn view as a table."""
+    events; with few rows, a union's branches that have rows, a turn view as a table, and the few-rows-only ones."""
     if no_events and isinstance(q, EventsOnly):
         stood_in = stand_in(q)
         return [] if stood_in is None else [stood_in]
     if not run.few_rows:
-        return [q]
+        return [] if isinstance(q, FewRowsOnly) else [q]
     if isinstance(q, EventsUnion):
         split = branch_statements(q, lambda probe: _finds_a_row(run, probe))
         if split is not None:

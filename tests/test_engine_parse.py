@@ -10,6 +10,8 @@ import json
 import re
 import unicodedata
 from pathlib import Path
+from re import _constants, _parser
+from typing import Any
 
 import duckdb
 import pytest
@@ -19,8 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvdiag.diagnostics import engine_parse as ep
+from kvdiag.diagnostics.engine_proxy import longest_literal
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS as PROXY_CLASSIFIERS
 from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
 from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 
@@ -46,8 +50,8 @@ def _load(con: duckdb.DuckDBPyConnection, table: str, f: int, path: Path) -> lis
 def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False, stats: bool = True
             ) -> tuple[duckdb.DuckDBPyConnection, dict[int, list[tuple[int, bytes]]]]:
     """The engine's parse of ``files``; ``ascii_branch``/``words`` as the engine picks them for many lines
-    (the default) or for few (False / the first words present); ``stats`` as for runs with (the default) or
-    without a client statistics file."""
+    (the default) or for few (False / the first words present and the proxy classifiers the lines hold a literal
+    of); ``stats`` as for runs with (the default) or without a client statistics file."""
     con = duckdb.connect()
     ep.create_line_tables(con)
     loaded = {}
@@ -57,7 +61,8 @@ def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
         loaded[f] = _load(con, table, f, path)
     for q in ep.parse_json_sql(stats=stats):
         con.execute(q)
-    for q in (*ep.parse_events_sql(ep.event_fields(con), stats=stats), *ep.parse_proxy_sql(),
+    proxy = [ln for (ln,) in con.execute("SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()]
+    for q in (*ep.parse_events_sql(ep.event_fields(con), stats=stats), *ep.parse_proxy_sql(proxy if words else None),
               *ep.vllm_head_sql(ascii_branch=ascii_branch)):
         con.execute(q)
     present = [w for (w,) in con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
@@ -180,16 +185,47 @@ def test_proxy_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, s
     lines = [f"2025-11-29 06:55:00 [INFO] disagg_proxy: {t.format(r=r, c=c, w=w)}" for t, r, c, w in rows]
     path = tmp_path / "proxy.log"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    con, loaded = _engine([path])
-    # (a why of '' is no why: the rules read both alike)
-    got = {row[0]: row[1:] for row in con.execute(
-        "SELECT n, kind, rid, conv, remote, age, ttl, nullif(why, ''), ms, detail, blocks FROM pl").fetchall()}
-    want = {}
-    for prec in parse_proxy_numbered(loaded[0], str(path)):
-        fl = prec.fields
-        want[prec.lineno] = (prec.kind, fl.get("rid"), fl.get("conv"), fl.get("remote"), fl.get("age"), fl.get("ttl"),
-                             fl.get("why") or None, fl.get("ms"), fl.get("detail"), fl.get("blocks"))
-    assert got == want
+    for few in (False, True):  # every classifier, and (one conversation's lines) only those the lines can meet
+        con, loaded = _engine([path], words=few)
+        # (a why of '' is no why: the rules read both alike)
+        got = {row[0]: row[1:] for row in con.execute(
+            "SELECT n, kind, rid, conv, remote, age, ttl, nullif(why, ''), ms, detail, blocks FROM pl").fetchall()}
+        want = {}
+        for prec in parse_proxy_numbered(loaded[0], str(path)):
+            fl = prec.fields
+            want[prec.lineno] = (prec.kind, fl.get("rid"), fl.get("conv"), fl.get("remote"), fl.get("age"),
+                                 fl.get("ttl"), fl.get("why") or None, fl.get("ms"), fl.get("detail"), fl.get("blocks"))
+        assert got == want, few
+
+
+def _required_runs(seq: Any) -> list[str]:
+    """The literal runs every match of a parsed pattern holds (a run ends at anything that may match otherwise)."""
+    if seq.state.flags & re.IGNORECASE:
+        return []
+    runs, cur = [], ""
+    for op, av in seq:
+        if op is _constants.LITERAL:
+            cur += chr(av)
+            continue
+        runs.append(cur)
+        cur = ""
+        if op is _constants.SUBPATTERN and not av[1] & re.IGNORECASE:  # (a group that must match: its runs too)
+            runs.extend(_required_runs(av[3]))
+        elif op in (_constants.MAX_REPEAT, _constants.MIN_REPEAT) and av[0] >= 1:
+            runs.extend(_required_runs(av[2]))
+    return [r for r in [*runs, cur] if r]
+
+
+def test_each_proxy_classifier_s_literal_is_in_every_line_it_takes() -> None:
+    # The proxy statement tests a kind's literal before its pattern, and a conversation's run leaves out the
+    # classifiers whose literal none of its lines holds: the literal must be one no match can lack.
+    for kind, regex in PROXY_CLASSIFIERS:
+        literal = longest_literal(regex)
+        assert any(literal in run for run in _required_runs(_parser.parse(regex.pattern, regex.flags))), kind
+    # negative controls: an optional or alternative literal is not required
+    for pattern, literal in ((r"abcd?e", "abcd"), (r"x(?:hello|hi)", "hello"), (r"k(?:longer)*", "longer")):
+        assert not any(literal in run for run in _required_runs(_parser.parse(pattern)))
+    assert "hello" in _required_runs(_parser.parse(r"x(?:hello)+y"))
 
 
 @pytest.mark.parametrize("line", ["plain", "caf\xe9 \u2603"])
