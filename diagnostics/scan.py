@@ -186,6 +186,9 @@ def _system_grep(path: str, pattern_args: list[str], progress: ProgressFn | None
     _check_exit(path, code, err)
 
 
+RARE_PREFIX: Final = 3  # (rg's multi-literal search looks at up to three bytes of each literal first)
+
+
 def grep_prefixed(path: str, prefix: bytes | Sequence[bytes], needles: Sequence[bytes],
                   progress: ProgressFn | None = None, suffix: bytes = b"", also: Sequence[bytes] = ()
                   ) -> Iterator[tuple[int, bytes]]:
@@ -202,9 +205,14 @@ def grep_prefixed(path: str, prefix: bytes | Sequence[bytes], needles: Sequence[
     if not needles:
         return grep_lines(path, also, progress) if also else iter(())
     if not path.endswith(".gz") and ripgrep() is not None:
-        # rg looks for each needle with its suffix, and the prefix is checked on the lines it keeps: a literal
-        # that opens with a byte as common as '"' would make rg's multi-literal search stop at nearly every one
-        literals = sorted({n + suffix for n in needles} | {a for a in also if a}, key=len, reverse=True)
+        # rg's multi-literal search is as fast as the literals' first bytes are rare: a literal that opens with a
+        # byte as common as '"' makes it stop at nearly every one, and so do ids (hex digits are everywhere in
+        # these logs). With prefixes of RARE_PREFIX bytes or more (cmpl-), each literal opens with its prefix (the
+        # search takes half the time); with shorter ones rg looks for each needle with its suffix and the prefix
+        # is checked on the lines it keeps
+        whole = all(len(p) >= RARE_PREFIX for p in prefixes)
+        literals = sorted({p + n + suffix if whole else n + suffix for p in prefixes for n in needles}
+                          | {a for a in also if a}, key=len, reverse=True)
         if _rg_literals_ok(literals):
             wanted = re.compile(b"|".join(re.escape(p + n + suffix) for p in prefixes for n in needles)
                                 + b"".join(b"|" + re.escape(a) for a in also if a))
