@@ -101,8 +101,8 @@ def _by_kind(exprs: dict[int, str]) -> str:
 def kinds_present(lines: Iterable[str]) -> set[int]:
     """The classifiers (by index) whose pattern's longest literal one of ``lines`` holds: no other can take one."""
     texts = list(lines)
-    return {i for i, (_kind, regex) in enumerate(PROXY_CLASSIFIERS)
-            if any(literal in t for t in texts for literal in [longest_literal(regex)])}
+    literals = [longest_literal(regex) for _kind, regex in PROXY_CLASSIFIERS]
+    return {i for i, literal in enumerate(literals) if any(literal in t for t in texts)}
 
 
 def parse_proxy_sql(present: Collection[int] | None = None) -> list[str]:
