@@ -40,6 +40,7 @@ MACROS: Final = (
          WHEN starts_with(ext_id(x), 'cmpl-') THEN substr(ext_id(x), 6) ELSE ext_id(x) END""",
 )
 
+
 class FewRowsOnly(str):
     """A statement only a run over a few rows (one conversation's) makes."""
 
