@@ -581,10 +581,14 @@ def clock_offset(index: LogIndex) -> float:
     the proxy offered (0 when none does, or when they disagree)."""
     p_paths = _prefill_paths(index)
     offers, _prefills = _offers(index)
-    times = [t for t in (wall_clock(r.ts) for r in index.proxy) if t is not None]
-    if not p_paths or not offers or not times:
+    if not p_paths or not offers:
         return 0.0
-    return _clock_offset(_p_status(index, set(p_paths), offers), min(times))[0]
+    return _clock_offset(_p_status(index, set(p_paths), offers), _first_time(index))[0]
+
+
+def _first_time(index: LogIndex) -> float:
+    """The earliest proxy record's time (an offer's record has one)."""
+    return min(t for t in (wall_clock(r.ts) for r in index.proxy) if t is not None)
 
 
 @dataclass(frozen=True)
@@ -609,7 +613,7 @@ def build_ledger(index: LogIndex, log_range: ProxyRange, *, spans: list[tuple[fl
     if not p_paths or not offers:
         return None
     if ref is None:
-        ref = min(t for t in (wall_clock(r.ts) for r in index.proxy) if t is not None)
+        ref = _first_time(index)
     streams, plans, configs = _build_streams(index, p_paths, ref)
     anchors = _p_status(index, set(p_paths), offers)
     offset, problem = _clock_offset(anchors, ref)
