@@ -1,4 +1,5 @@
-"""The real-vLLM testbed runs a scenario again only when vLLM itself logged a failed NIXL handshake."""
+"""The real-vLLM testbed runs a scenario again only when vLLM itself logged a failed NIXL handshake (or its side
+channel could not listen: another process took the port)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from vllm_harness.testbed import HANDSHAKE_FAILED, attempt_dirs, handshake_failed, run_retrying_handshake
+from vllm_harness.testbed import (
+    HANDSHAKE_FAILED,
+    LISTENER_THREAD,
+    attempt_dirs,
+    handshake_failed,
+    run_retrying_handshake,
+)
 
 # a line as vLLM's NIXL worker writes it when the peer's side channel misses its 5 s answer
 TIMED_OUT = ("ERROR 12-01 20:28:26 [base_worker.py:1375] NIXL transfer failure: handshake_setup_failed | "
@@ -19,8 +26,33 @@ def test_the_failure_type_is_the_one_installed_vllm_logs() -> None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         pytest.fail("vLLM is not installed: run `make vllm-env`")
-    source = Path(spec.origin).parent / "distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py"
-    assert f'failure_type="{HANDSHAKE_FAILED}"' in source.read_text()
+    nixl = Path(spec.origin).parent / "distributed/kv_transfer/kv_connector/v1/nixl"
+    assert f'failure_type="{HANDSHAKE_FAILED}"' in (nixl / "base_worker.py").read_text()
+    # (the side channel's listener thread, whose death Python reports as "Exception in thread <name>:")
+    assert f'name="{LISTENER_THREAD.rsplit(" ", 1)[1]}"' in (nixl / "base_scheduler.py").read_text()
+
+
+# D's log when another process took its side channel's port (a CI run on a shared machine)
+PORT_TAKEN_LOG = ("Exception in thread nixl_handshake_listener:\nTraceback (most recent call last):\n"
+                  "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:28447')\n")
+
+
+def test_a_side_channel_whose_port_was_taken_is_run_again(tmp_path: Path) -> None:
+    seen: list[Path] = []
+
+    def run(d: Path) -> None:
+        seen.append(d)
+        if len(seen) == 1:
+            (d / "decode.log").write_text("INFO started\n" + PORT_TAKEN_LOG)
+            raise RuntimeError("decode wrote no ready file within 120 s")
+        (d / "decode.log").write_text("INFO started\n")
+
+    assert run_retrying_handshake(attempt_dirs(tmp_path), run) == seen[1]
+    # negative control: a port taken elsewhere in the log (no listener died) is some other failure
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "decode.log").write_text("ERROR OSError: [Errno 98] Address already in use\n")
+    assert not handshake_failed(other)
 
 
 def test_a_handshake_timeout_is_run_again_in_a_fresh_directory(tmp_path: Path) -> None:

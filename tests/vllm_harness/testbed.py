@@ -19,6 +19,10 @@ ROUTER_READY_TIMEOUT_S = 30.0
 # vLLM's NIXL worker gives the peer's side channel a fixed 5 s to answer its handshake (zmq RCVTIMEO) and
 # logs this failure type when it does not: a loaded 2-core machine sometimes misses it, before kvdiag runs.
 HANDSHAKE_FAILED = "handshake_setup_failed"
+# The side channel's port is probed free before vLLM binds it, seconds later; on a shared machine another
+# process may bind it first. vLLM's listener thread then dies and the engine never gets ready.
+LISTENER_THREAD = "Exception in thread nixl_handshake_listener"
+PORT_TAKEN = "Address already in use"
 HANDSHAKE_ATTEMPTS = 3
 
 
@@ -72,10 +76,12 @@ def real_vllm_testbed(tmp: Path, *, p_flags: Sequence[str] = (), d_flags: Sequen
 
 
 def handshake_failed(tmp: Path) -> bool:
-    """Whether P's or D's vLLM log in ``tmp`` records a failed NIXL handshake."""
+    """Whether P's or D's vLLM log in ``tmp`` records a failed NIXL handshake, or a side channel that could not
+    listen because its port was taken."""
     for role in ("prefill", "decode"):
         log = tmp / f"{role}.log"
-        if log.exists() and HANDSHAKE_FAILED in log.read_text(errors="replace"):
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if HANDSHAKE_FAILED in text or (LISTENER_THREAD in text and PORT_TAKEN in text):
             return True
     return False
 
@@ -95,7 +101,8 @@ def run_retrying_handshake(new_dir: Callable[[], Path], run: Callable[[Path], No
                            attempts: int = HANDSHAKE_ATTEMPTS) -> Path:
     """``run`` a testbed scenario in a fresh ``new_dir()``; return that directory.
 
-    A run whose P or D logged vLLM's own handshake timeout is not the scenario the test planned, whether it
+    A run whose P or D logged vLLM's own handshake timeout (or a side channel whose port another process took)
+    is not the scenario the test planned, whether it
     failed or came back with a recomputed or failed turn in its records: it is run again, in a new directory
     (a partial run's lines must not mix with the next). Any other failure propagates; so does the last
     attempt's, and the last attempt's directory is returned for the test to judge.
