@@ -13,8 +13,9 @@ docs/verdicts.md explains each rule; docs/design.md ("Where a verdict rule lives
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -303,29 +304,45 @@ def _pick(rules: Sequence[tuple[int, list[str]]]) -> str:
     return " ".join(out)
 
 
-def decide_sql(source: str, keep: Sequence[str], *, evidence: bool = True) -> str:
+def _by_number(branches: Sequence[tuple[int, str]], otherwise: str = "NULL") -> str:
+    """SQL for the value of rule number ``rule_no``, from (number, SQL) pairs."""
+    if not branches:
+        return otherwise
+    return f"CASE rule_no {' '.join(f'WHEN {i} THEN {x}' for i, x in branches)} ELSE {otherwise} END"
+
+
+@functools.cache
+def pick_sql() -> str:
+    """SQL for the number of the first rule that holds for a turn (its index in RULES)."""
+    split = [(i, _conjuncts(r.when)) for i, r in enumerate(RULES)]
+    return "CASE " + _pick([(i, terms if terms is not None else [f"({RULES[i].when})"]) for i, terms in split]) \
+        + " END"
+
+
+def decide_sql(source: str, keep: Sequence[str], *, evidence: bool = True,
+               picked: Collection[int] | None = None) -> str:
     """One SELECT over ``source`` (the turns' facts): the columns in ``keep``, and each turn's rule, verdict,
     confidence, reason and evidence, and the columns a rule states itself. Without ``evidence`` the
-    evidence column is NULL (the turn table reads none)."""
-    split = [(i, _conjuncts(r.when)) for i, r in enumerate(RULES)]
-    pick = _pick([(i, terms if terms is not None else [f"({RULES[i].when})"]) for i, terms in split])
+    evidence column is NULL (the turn table reads none). With ``picked``, ``source`` already has each turn's
+    ``rule_no`` (:func:`pick_sql`) and holds only these: the other rules' verdicts, reasons and evidence are
+    left out (DuckDB binds every branch of a CASE, a few rows' run pays for them all otherwise)."""
+    numbered = [(i, r) for i, r in enumerate(RULES) if picked is None or i in picked]
 
     def by_rule(attr: str) -> str:
         # the rules' constants by a list index (one lookup, not a test per rule), the others by their number
         said = [getattr(r, attr) for r in RULES]
         const = [x if re.fullmatch(r"'[^']*'|true|false", x) else None for x in said]
+        if picked is not None:
+            return _by_number([(i, said[i]) for i, _ in numbered])
         whens = " ".join(f"WHEN {i} THEN {x}" for i, x in enumerate(said) if const[i] is None)
         return f"CASE rule_no {whens} ELSE [{', '.join(x or 'NULL' for x in const)}][rule_no + 1] END"
 
-    evidence_sql = "CASE rule_no " + " ".join(f"WHEN {i} THEN {_evidence(r.evidence)}" for i, r in enumerate(RULES)) \
-        + " END"
+    evidence_sql = _by_number([(i, _evidence(r.evidence)) for i, r in numbered])
     sets = sorted({k for r in RULES for k in r.sets})
     overrides = ", ".join(
-        f"CASE rule_no {' '.join(f'WHEN {i} THEN {r.sets[k]}' for i, r in enumerate(RULES) if k in r.sets)} "
-        f"ELSE {k} END AS {k}" for k in sets)
+        f"{_by_number([(i, r.sets[k]) for i, r in numbered if k in r.sets], k)} AS {k}" for k in sets)
     base = f"coalesce(nullif(dec_reason, ''), {summary_sql('dec_verdict')})"
-    reason = "CASE rule_no " + " ".join(
-        f"WHEN {i} THEN {r.reason.replace('base_reason', base)}" for i, r in enumerate(RULES)) + " END"
+    reason = _by_number([(i, r.reason.replace("base_reason", base)) for i, r in numbered])
     failing = FAILED_SUFFIX.format(reason="r0")
     retried = RETRIED.format(reason="r0")
     answered = ANSWERED.format(reason="r0")
@@ -335,8 +352,9 @@ def decide_sql(source: str, keep: Sequence[str], *, evidence: bool = True) -> st
                 lambda x: x IS NOT NULL)
               WHEN p_kvfail IS NOT NULL AND answered THEN list_filter([p_kvfail, CASE WHEN NOT has_ev
                 THEN answer_proof END], lambda x: x IS NOT NULL) ELSE [] END""" if evidence else "NULL::BIGINT[]"
+    rule_no = "" if picked is not None else f", {pick_sql()} AS rule_no"
     return f"""
-WITH picked AS (SELECT *, CASE {pick} END AS rule_no FROM {source}),
+WITH picked AS (SELECT *{rule_no} FROM {source}),
 said AS (SELECT *, {by_rule('verdict')} AS verdict, {by_rule('confidence')} AS confidence, {reason} AS r0,
            {ev0}{by_rule('with_failure')} AS wf FROM picked)
 SELECT {', '.join(c for c in keep if c not in sets and c not in _DECIDED)}, {overrides},

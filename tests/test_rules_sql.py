@@ -1,10 +1,18 @@
-"""The SQL generated from the rule table picks the first rule that holds, whatever the conditions' layout."""
+"""The SQL generated from the rule table picks the first rule that holds, whatever the conditions' layout, and
+binding only the rules a run's turns reach gives the same rows."""
 
 from __future__ import annotations
 
-import duckdb
+from pathlib import Path
 
-from kvdiag.diagnostics.rules import _conjuncts, _pick
+import duckdb
+import pytest
+
+from kvdiag.diagnostics import duckdb_api
+from kvdiag.diagnostics.detect import detect
+from kvdiag.diagnostics.rules import _conjuncts, _pick, decide_sql, pick_sql
+from kvdiag.diagnostics.turn_loader import run_all
+from kvdiag.diagnostics.verdict_engine import RECORD_COLUMNS
 
 
 def _first(rules: list[str], row: dict[str, bool | None]) -> int | None:
@@ -34,3 +42,33 @@ def test_rules_sharing_a_first_condition_give_the_first_that_holds() -> None:
             for c in (True, False, None):
                 want = next((i for i, ok in enumerate([a and b, a and c, a, c]) if ok), None)
                 assert _first(rules, {"a": a, "b": b, "c": c}) == want, (a, b, c)
+
+
+# ---- one conversation's run binds only the rules its turns reach: the same table as binding them all
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
+RUNS = sorted(p for p in FIXTURES.iterdir() if p.is_dir() and p.name != "__pycache__")
+
+
+def _decided(con: duckdb_api.Connection, picked: set[int] | None) -> list[tuple[object, ...]]:
+    keep = (*RECORD_COLUMNS, "sid", "px_rid")
+    if picked is None:
+        sql = decide_sql("tfw", keep)
+    else:
+        con.execute(f"CREATE OR REPLACE TEMP TABLE tfw_all AS SELECT *, {pick_sql()} AS rule_no FROM tfw")
+        sql = decide_sql("tfw_all", keep, picked=picked)
+    return con.execute(f"SELECT * FROM ({sql}) ORDER BY sid").fetchall()
+
+
+@pytest.mark.parametrize("run_dir", RUNS, ids=lambda p: p.name)
+def test_binding_only_the_rules_reached_gives_the_same_turns(run_dir: Path) -> None:
+    run = run_all(detect([str(run_dir)]), windows=False)
+    try:
+        full = _decided(run.con, None)
+        reached = {r for (r,) in run.con.execute(f"SELECT DISTINCT {pick_sql()} FROM tfw").fetchall()}
+        assert full and reached
+        assert _decided(run.con, reached) == full
+        # negative control: a rule a turn reaches left out changes that turn's row
+        assert _decided(run.con, reached - {min(reached)}) != full
+    finally:
+        run.con.close()
