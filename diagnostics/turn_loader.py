@@ -14,7 +14,6 @@ decides every conversation (verdict_engine.py, rules.py).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import gc
 import importlib
 import itertools
@@ -419,6 +418,7 @@ def _document_stats(f: LogFile) -> list[ClientStat]:
 def closest_ids(files: list[LogFile], conversation_id: str, limit: int = 5) -> list[str]:
     """Conversation ids seen in the client/router/proxy logs that look most like ``conversation_id`` (never the
     id itself: a conversation named on lines that make no turn is still not found)."""
+    import difflib  # noqa: PLC0415 - only for an id not found
     pattern = re.compile(rb'"conversation_id": ?"([^"]{1,200})"|conv=([^\s:]{1,200})')
     seen: set[str] = set()
     for f in files:

@@ -21,7 +21,6 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -349,6 +348,8 @@ def _side_filtered(run: Run, numbered: Iterable[tuple[int, bytes]], side: list[t
 def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
     """Every input line into the lines tables: whole JSON and proxy files by DuckDB (Python where it cannot),
     vLLM logs through the prefilter (grep, beside DuckDB's scans, into a file DuckDB reads)."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - (with logging: 5 ms a conversation's CLI needs not)
+
     engine_logs = [f for f, lf in enumerate(run.files) if lf.fmt == "vllm"]
     with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 4))) as pool:
         kept = {f: pool.submit(_grep_vllm, run.files[f].path, progress, run.side_needles) for f in engine_logs}
