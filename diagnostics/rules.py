@@ -331,9 +331,9 @@ def decide_sql(source: str, keep: Sequence[str], *, evidence: bool = True,
     def by_rule(attr: str) -> str:
         # the rules' constants by a list index (one lookup, not a test per rule), the others by their number
         said = [getattr(r, attr) for r in RULES]
-        const = [x if re.fullmatch(r"'[^']*'|true|false", x) else None for x in said]
         if picked is not None:
             return _by_number([(i, said[i]) for i, _ in numbered])
+        const = [x if re.fullmatch(r"'[^']*'|true|false", x) else None for x in said]
         whens = " ".join(f"WHEN {i} THEN {x}" for i, x in enumerate(said) if const[i] is None)
         return f"CASE rule_no {whens} ELSE [{', '.join(x or 'NULL' for x in const)}][rule_no + 1] END"
 

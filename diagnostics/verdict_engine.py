@@ -348,7 +348,7 @@ def _side_filtered(run: Run, numbered: Iterable[tuple[int, bytes]], side: list[t
 def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
     """Every input line into the lines tables: whole JSON and proxy files by DuckDB (Python where it cannot),
     vLLM logs through the prefilter (grep, beside DuckDB's scans, into a file DuckDB reads)."""
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - (with logging: 5 ms a conversation's CLI needs not)
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - with logging, 5 ms one conversation skips
 
     engine_logs = [f for f, lf in enumerate(run.files) if lf.fmt == "vllm"]
     with ThreadPoolExecutor(max_workers=max(1, min(len(engine_logs), 4))) as pool:
