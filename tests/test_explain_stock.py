@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import shutil
+import traceback
 from pathlib import Path
 
 import pytest
@@ -250,3 +252,24 @@ def test_a_turn_after_requests_that_all_failed_that_fails_too_is_request_failed(
     assert _verdicts("G", [str(tmp_path)]) == [(1, "request_failed", "inferred"), (2, "first_turn", "inferred")]
     reason = explain_conversation([str(tmp_path)], "F").turns[2].reason
     assert reason.startswith("every earlier request of the conversation failed, and so did this one")
+
+
+def test_unreadable_file_is_named_for_one_conversation(tmp_path: Path) -> None:
+    # the prefilter reads files on worker threads: the error still reaches the caller, naming the file
+    for f in STOCK.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    # its head reads (the format is sniffed first), the rest is cut off: only the prefilter's read fails
+    body = (tmp_path / "decode.log").read_bytes()
+    whole = gzip.compress(body + b"".join(b"INFO 11-29 09:11:06 [loggers.py:123] Engine 000: idle %d\n" % i
+                                          for i in range(400_000)))
+    (tmp_path / "decode.log").unlink()
+    (tmp_path / "decode.log.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(UnreadableLogError, match=r"decode\.log\.gz") as info:
+        explain_conversation([str(tmp_path)], "CONV_ID_1")
+    frames: set[str] = set()
+    exc: BaseException | None = info.value
+    while exc is not None:
+        frames |= {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+        exc = exc.__context__
+    assert "_parallel" in frames  # (and not the sniffing of the head)
