@@ -20,7 +20,7 @@ itself, which yields the record or the corrupt-line note explain prints.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Final
 
 from kvdiag.diagnostics import vllm_log_parser as vllm_log
@@ -353,10 +353,14 @@ def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str,
 
 def parse_proxy_sql(lines: Iterable[str] | None = None) -> list[str]:
     """Statements: ``pl`` from lines_proxy (engine_proxy.parse_proxy_sql); ``lines``: every line of lines_proxy,
-    when they are few (only the classifiers one of them can match are compiled)."""
+    when they are few (only the classifiers one of them can match are compiled, in their ASCII forms where every
+    line is ASCII)."""
     from kvdiag.diagnostics import engine_proxy  # noqa: PLC0415  (it reads this module's helpers)
 
-    return engine_proxy.parse_proxy_sql(None if lines is None else engine_proxy.kinds_present(lines))
+    if lines is None:
+        return engine_proxy.parse_proxy_sql()
+    texts = list(lines)
+    return engine_proxy.parse_proxy_sql(engine_proxy.kinds_present(texts), all_ascii=all(t.isascii() for t in texts))
 
 
 # What Python's \s reads in a str pattern (str.isspace: the ASCII separators \x1c-\x1f and \v too), in RE2's
@@ -616,26 +620,31 @@ def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool =
             vllm_records_sql(words, ascii_branch=ascii_branch, all_ascii=all_ascii)]
 
 
-def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False) -> list[str]:
+def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False, other_shapes: bool | None = None
+                  ) -> list[str]:
     """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts,
-    the message and its first word ``w``: VLLM_WORD, which the kinds' choice and the words present both read)."""
+    the message and its first word ``w``: VLLM_WORD, which the kinds' choice and the words present both read).
+
+    ``other_shapes`` splits them for a few lines, whose run pays more for compiling the full header pattern than
+    for running it: None, both statements; False, ``vl_clean`` keeping every line with ``std`` (vLLM's own
+    header shape) set; True, the statements that end the job where some line lacks vLLM's own shape; False again
+    once that is known, ``vl_head`` alone, never compiling the full pattern."""
     def rx(fn: str, col: str, regex: re.Pattern[str], *args: str) -> str:
         return _vllm_rx(fn, col, regex, *args, ascii_branch=ascii_branch, all_ascii=all_ascii)
 
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
-    return [
-        f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, std FROM (
+    full = rx("regexp_matches", "t", vllm_log.HEADER_RE)
+    clean = f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, std FROM (
               SELECT f, n, t, {rx('regexp_matches', 't', STD_HEADER_RE)} AS std FROM (
                 SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
                 FROM (SELECT f, n, {_RTRIM_EOL} AS t0 FROM lines_vllm WHERE line IS NOT NULL))
-              WHERE strlen(t) < {MAX_LINE_CHARS} OR length(t) < {MAX_LINE_CHARS})  -- bytes first: no count
-            WHERE std OR {rx('regexp_matches', 't', vllm_log.HEADER_RE)}""",
-        # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position: the header
-        # check proved that the first "[" opens the file part (no earlier part has one), the first "]" closes it
-        # (the file part has none), the time stamp is the 14 characters before " [" and the level ends at the
-        # spaces before it; only the message is copied out of the line. Any other prefix (VLLM_LOGGING_PREFIX)
-        # goes through the full pattern.
-        f"""CREATE TEMP TABLE vl_head AS SELECT *, {VLLM_WORD} AS w FROM (
+              WHERE strlen(t) < {MAX_LINE_CHARS} OR length(t) < {MAX_LINE_CHARS})  -- bytes first: no count"""
+    # vLLM's own shape: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file:line] msg", cut by position: the header
+    # check proved that the first "[" opens the file part (no earlier part has one), the first "]" closes it
+    # (the file part has none), the time stamp is the 14 characters before " [" and the level ends at the
+    # spaces before it; only the message is copied out of the line. Any other prefix (VLLM_LOGGING_PREFIX)
+    # goes through the full pattern.
+    cut = f"""CREATE TEMP TABLE vl_head AS SELECT *, {VLLM_WORD} AS w FROM (
             WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc, strpos(t, '[') AS b, strpos(t, ']') AS c
                        FROM vl_clean WHERE std),
             p AS (SELECT *, CASE WHEN has_proc THEN strpos(t, ' pid=') END AS q,
@@ -645,11 +654,28 @@ def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False) -> list
               rtrim(substr(t, e, b - 15 - e)) AS level, substr(t, b - 15, 14) AS ts,
               substr(t, b + 1, c - b - 1) AS fileinfo,
               substr(t, CASE WHEN substr(t, c + 1, 1) = ' ' THEN c + 2 ELSE c + 1 END) AS msg
-            FROM p
+            FROM p"""
+    others = f"""
             UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
             FROM (SELECT f, n, {rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
-                  FROM vl_clean WHERE NOT std))""",
-    ]
+                  FROM vl_clean WHERE NOT std)"""
+    if other_shapes is None:
+        return [f"{clean}\n            WHERE std OR {full}", f"{cut}{others})"]
+    if other_shapes:
+        return [f"DELETE FROM vl_clean WHERE NOT std AND NOT {full}", f"{cut}{others})"]
+    return [clean, f"{cut})"]
+
+
+def vllm_head_few_lines(con: duckdb.DuckDBPyConnection, run_sql: Callable[[str], object], *, ascii_branch: bool,
+                        all_ascii: bool) -> None:
+    """``vl_clean`` and ``vl_head`` for a few lines (``run_sql`` runs a statement on ``con``): the full header
+    pattern is compiled only if a line lacks vLLM's own header shape (16 ms of compiling otherwise)."""
+    clean, head = vllm_head_sql(ascii_branch=ascii_branch, all_ascii=all_ascii, other_shapes=False)
+    run_sql(clean)
+    if con.execute("SELECT bool_and(std) FROM vl_clean").fetchall()[0][0] is False:
+        others, head = vllm_head_sql(ascii_branch=ascii_branch, all_ascii=all_ascii, other_shapes=True)
+        run_sql(others)
+    run_sql(head)
 
 
 def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True, fast: bool = True,

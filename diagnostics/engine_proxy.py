@@ -8,12 +8,13 @@ as Python does.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Final
 
 from kvdiag.diagnostics import proxy_log_parser as proxy_log
-from kvdiag.diagnostics.engine_parse import _RTRIM_CR, _literal, _re2, kind_case, sql_str
+from kvdiag.diagnostics.engine_parse import _RTRIM_CR, _literal, _re2, ascii_form, kind_case, sql_str
 from kvdiag.diagnostics.proxy_log_parser import CLASSIFIERS as PROXY_CLASSIFIERS
 from kvdiag.diagnostics.proxy_log_parser import PROXY_RE
 
@@ -37,18 +38,24 @@ _IDS: Final = (r"^\[(?P<rid>[^\]]+)\] ", "^")  # what may come before the conver
 _CONV_READ: Final = "length({0}) >= 2 AND ends_with({0}, ':')"  # a greedy read is the pattern's conversation id
 
 
-def _one_pass_form(regex: re.Pattern[str]) -> str:
-    """The pattern as RE2 reads it, its conversation id (where it has one, never in an optional part)
+def _one_pass_form(regex: re.Pattern[str], form: Callable[[re.Pattern[str]], str] = _re2) -> str:
+    """The pattern as RE2 reads it (``form``), its conversation id (where it has one, never in an optional part)
     read greedily up to the space."""
     src = regex.pattern
     if _LAZY_CONV not in src:
-        return _re2(regex)
+        return form(regex)
     if src.count(_LAZY_CONV) != 1 or not any(src.startswith(before + _LAZY_CONV) for before in _IDS):
         raise ValueError(f"proxy pattern {regex.pattern!r}: its conversation id is not where it can be read greedily")
-    return _re2(re.compile(src.replace(_LAZY_CONV, r"conv=(?P<conv>\S+) "), regex.flags))
+    return form(re.compile(src.replace(_LAZY_CONV, r"conv=(?P<conv>\S+) "), regex.flags))
 
 
 _FORMS: Final = {kind: _one_pass_form(regex) for kind, regex in PROXY_CLASSIFIERS if kind in _ONE_PASS}
+
+
+@functools.cache
+def _ascii_forms() -> dict[str, str]:
+    """_FORMS as RE2 reads them the same way on ASCII text."""
+    return {kind: _one_pass_form(regex, ascii_form) for kind, regex in PROXY_CLASSIFIERS if kind in _ONE_PASS}
 # PROXY_RE up to its message, for the line check: a line holds no newline, so "(?P<msg>.*)$" matches whatever
 # follows (and RE2 stops at the prefix instead of scanning to the end)
 _PROXY_MSG: Final = "(?P<msg>.*)$"
@@ -105,19 +112,22 @@ def kinds_present(lines: Iterable[str]) -> set[int]:
     return {i for i, literal in enumerate(literals) if any(literal in t for t in texts)}
 
 
-def parse_proxy_sql(present: Collection[int] | None = None) -> list[str]:
+def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool = False) -> list[str]:
     """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives.
-    ``present``: the classifiers that can take a line (kinds_present), when known; the others are left out."""
+    ``present``: the classifiers that can take a line (kinds_present), when known; the others are left out.
+    ``all_ascii``: every line of lines_proxy is ASCII, and the patterns take their ASCII forms (a Unicode class
+    costs RE2 ten times as long to compile, which a few lines' run pays for and never gets back)."""
     classes = [(i, kind, regex) for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS) if present is None or i in present]
+    form, forms = (ascii_form, _ascii_forms()) if all_ascii else (_re2, _FORMS)
     kinds, groups = [], []
     for i, kind, regex in classes:
         if kind in _FORMS:
             names = "[" + ", ".join(sql_str(g) for g in regex.groupindex) + "]"
-            groups.append(f"CASE WHEN {_kind_test(regex)} THEN regexp_extract(msg, {sql_str(_FORMS[kind])}, {names}) "
+            groups.append(f"CASE WHEN {_kind_test(regex)} THEN regexp_extract(msg, {sql_str(forms[kind])}, {names}) "
                           f"END AS x{i}")
             kinds.append(f"WHEN {_matched(f'x{i}', regex)} THEN {i}")
         else:
-            kinds.append(f"WHEN {_kind_test(regex)} AND regexp_matches(msg, {sql_str(_re2(regex))}) THEN {i}")
+            kinds.append(f"WHEN {_kind_test(regex)} AND regexp_matches(msg, {sql_str(form(regex))}) THEN {i}")
     fields = []
     for name in PROXY_GROUPS:
         exprs: dict[int, str] = {}
@@ -127,7 +137,7 @@ def parse_proxy_sql(present: Collection[int] | None = None) -> list[str]:
             if kind in _FORMS:  # (the greedy conversation id less its ":")
                 value = f"left(x{i}.conv, length(x{i}.conv) - 1)" if name == "conv" else f"x{i}.{name}"
             else:
-                value = f"regexp_extract(msg, {sql_str(_re2(regex))}, {regex.groupindex[name]})"
+                value = f"regexp_extract(msg, {sql_str(form(regex))}, {regex.groupindex[name]})"
             # regexp_extract gives '' for a group that took no part: an optional group's '' is no value
             exprs[i] = f"nullif({value}, '')" if name in _optional_groups(regex) else value
         fields.append(f"{_by_kind(exprs)} AS {name}")
@@ -144,7 +154,7 @@ def parse_proxy_sql(present: Collection[int] | None = None) -> list[str]:
         f"""CREATE TEMP TABLE pl AS
             WITH m AS (SELECT f, n, left(t, 19) AS ts, {msg} AS msg, left({msg}, 1) AS lead
                 FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
-                WHERE regexp_matches(t, {sql_str(_re2(PROXY_HEAD_RE))})),
+                WHERE regexp_matches(t, {sql_str(form(PROXY_HEAD_RE))})),
             i AS (SELECT *, substr(msg, q + 2, {_WORD}) AS w FROM (SELECT *, CASE lead {ends} END AS q FROM m)),
             c AS (SELECT *, {f"CASE {' '.join(kinds)} END" if kinds else 'NULL::INTEGER'} AS k
                   FROM (SELECT *{''.join(', ' + g for g in groups)} FROM i))

@@ -429,9 +429,13 @@ def parse(run: Run) -> None:
     # (a few lines: only the proxy classifiers one of them can match; RE2 compiles each pattern at every run)
     proxy = [ln for (ln,) in run.con.execute("SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()
              ] if run.few_rows else None
-    for q in (*ep.parse_events_sql(ep.event_fields(run.con), stats=stats), *ep.parse_proxy_sql(proxy),
-              *ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii)):
+    for q in (*ep.parse_events_sql(ep.event_fields(run.con), stats=stats), *ep.parse_proxy_sql(proxy)):
         execute(run, q)
+    if not run.few_rows:
+        for q in ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii):
+            execute(run, q)
+    else:
+        ep.vllm_head_few_lines(run.con, lambda q: execute(run, q), ascii_branch=many, all_ascii=all_ascii)
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
     words = [w for (w,) in run.con.execute("SELECT DISTINCT w FROM vl_head").fetchall()]
     execute(run, ep.vllm_records_sql(words, ascii_branch=many, all_ascii=all_ascii))

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvdiag.diagnostics import engine_parse as ep
+from kvdiag.diagnostics import engine_proxy
 from kvdiag.diagnostics.engine_proxy import longest_literal
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
@@ -183,9 +184,12 @@ _PROXY_TEXT = st.text(st.sampled_from("ab9_-.:()=x/é [s\v\x1f\xa0\u2003\u0663")
 def test_proxy_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, str, str, str]]) -> None:
     """Every kind and group the engine cuts by position equals the proxy parser's (ids with odd characters)."""
     lines = [f"2025-11-29 06:55:00 [INFO] disagg_proxy: {t.format(r=r, c=c, w=w)}" for t, r, c, w in rows]
-    path = tmp_path / "proxy.log"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    for few in (False, True):  # every classifier, and (one conversation's lines) only those the lines can meet
+    # every classifier, and (one conversation's lines) only those the lines can meet, in their ASCII forms
+    # where every line is ASCII (the second file)
+    for name, text, few in (("proxy.log", lines, False), ("proxy.log", lines, True),
+                            ("ascii-proxy.log", [ln.encode("ascii", "replace").decode() for ln in lines], True)):
+        path = tmp_path / name
+        path.write_text("\n".join(text) + "\n", encoding="utf-8")
         con, loaded = _engine([path], words=few)
         # (a why of '' is no why: the rules read both alike)
         got = {row[0]: row[1:] for row in con.execute(
@@ -196,6 +200,26 @@ def test_proxy_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, s
             want[prec.lineno] = (prec.kind, fl.get("rid"), fl.get("conv"), fl.get("remote"), fl.get("age"),
                                  fl.get("ttl"), fl.get("why") or None, fl.get("ms"), fl.get("detail"), fl.get("blocks"))
         assert got == want, few
+
+
+def test_the_proxy_patterns_ascii_forms_are_only_for_ascii_lines(tmp_path: Path) -> None:
+    """Negative control for the gate: on a line with a Unicode space in the conversation id, the ASCII forms take
+    a line the parser does not (Python's \\S stops at U+2003; the ASCII form's class does not)."""
+    line = "2025-11-29 06:55:00 [INFO] disagg_proxy: conv=a\u2003b: cache HIT (age=1.5s)"
+    path = tmp_path / "proxy.log"
+    path.write_text(line + "\n", encoding="utf-8")
+    assert [p.kind for p in parse_proxy_numbered([(1, line.encode())], str(path))] == []
+    kinds = {}
+    for all_ascii in (False, True):
+        con = duckdb.connect()
+        ep.create_line_tables(con)
+        con.execute("INSERT INTO lines_proxy VALUES (0, 1, $l)", {"l": line})
+        for q in engine_proxy.parse_proxy_sql(engine_proxy.kinds_present([line]), all_ascii=all_ascii):
+            con.execute(q)
+        kinds[all_ascii] = [k for (k,) in con.execute("SELECT kind FROM pl").fetchall()]
+    assert kinds == {False: [], True: ["hit"]}
+    assert "\\p{" not in ep.parse_proxy_sql([line.encode("ascii", "replace").decode()])[0]  # (the gate opens)
+    assert "\\p{" in ep.parse_proxy_sql([line])[0]
 
 
 def _required_runs(seq: Any) -> list[str]:

@@ -64,3 +64,42 @@ def test_a_cut_at_the_last_bracket_is_caught() -> None:
     assert wrong != ep.vllm_head_sql()[1]
     assert _mismatches(lines, ep.vllm_head_sql()[1]) == []
     assert len(_mismatches(lines, wrong)) == 1
+
+
+# ---- a few lines' run: the full header pattern compiled only where a line lacks vLLM's own shape
+
+_OWN = "(EngineCore_DP0 pid=7) INFO 11-29 06:54:50 [scheduler.py:12] Added request r1."
+_PREFIXED = "[node-a] INFO 11-29 06:54:51 [scheduler.py:12] Added request r2."  # VLLM_LOGGING_PREFIX="[node-a] "
+_NOT_VLLM = "Traceback (most recent call last):"
+
+
+def _tables(lines: list[str], run: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+    con = duckdb.connect()
+    ep.create_line_tables(con)
+    con.execute("INSERT INTO lines_vllm SELECT 0, unnest(range(1, len($l) + 1)), unnest($l)", {"l": lines})
+    if run == "bulk":
+        for q in ep.vllm_head_sql():
+            con.execute(q)
+    elif run == "few":
+        ep.vllm_head_few_lines(con, con.execute, ascii_branch=False, all_ascii=all(x.isascii() for x in lines))
+    else:  # negative control: the own-shape statements alone, whatever the lines
+        clean, head = ep.vllm_head_sql(ascii_branch=False, other_shapes=False)
+        con.execute(clean)
+        con.execute(head)
+    return (con.execute("SELECT f, n, t, std FROM vl_clean ORDER BY n").fetchall(),
+            con.execute("SELECT * FROM vl_head ORDER BY n").fetchall())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.lists(st.one_of(_header_line(), st.sampled_from([_OWN, _PREFIXED, _NOT_VLLM, "", "é [x:1] y"])),
+                min_size=1, max_size=12))
+def test_few_lines_statements_equal_the_bulk_ones(lines: list[str]) -> None:
+    assert _tables(lines, "few") == _tables(lines, "bulk")
+
+
+def test_a_line_in_another_shape_needs_the_full_pattern() -> None:
+    lines = [_OWN, _PREFIXED, _NOT_VLLM]
+    few, bulk = _tables(lines, "few"), _tables(lines, "bulk")
+    assert few == bulk and [row[1] for row in bulk[1]] == [1, 2]
+    # negative control: without the full pattern the prefixed line is lost and the stray one kept
+    assert _tables(lines, "own_only") != bulk
