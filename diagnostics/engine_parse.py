@@ -620,20 +620,42 @@ def parse_vllm_sql(words: Collection[str] | None = None, *, ascii_branch: bool =
             vllm_records_sql(words, ascii_branch=ascii_branch, all_ascii=all_ascii)]
 
 
-def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False, other_shapes: bool | None = None
-                  ) -> list[str]:
+def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False) -> list[str]:
     """Statements: ``vl_clean`` (lines with a vLLM header, colours removed) and ``vl_head`` (the header's parts,
-    the message and its first word ``w``: VLLM_WORD, which the kinds' choice and the words present both read).
+    the message and its first word ``w``: VLLM_WORD, which the kinds' choice and the words present both read)."""
+    clean, own_cut, full, others = _vllm_head_parts(ascii_branch=ascii_branch, all_ascii=all_ascii)
+    return [f"{clean}\n            WHERE std OR {full}", f"{own_cut}{others})"]
 
-    ``other_shapes`` splits them for a few lines, whose run pays more for compiling the full header pattern than
-    for running it: None, both statements; False, ``vl_clean`` keeping every line with ``std`` (vLLM's own
-    header shape) set; True, the statements that end the job where some line lacks vLLM's own shape; False again
-    once that is known, ``vl_head`` alone, never compiling the full pattern."""
+
+def vllm_own_shape_sql(*, ascii_branch: bool = True, all_ascii: bool = False) -> list[str]:
+    """vllm_head_sql's statements as if every line had vLLM's own header shape: ``vl_clean`` keeps every line,
+    with ``std`` set where it has that shape, and ``vl_head`` cuts those alone (the full pattern is not in them)."""
+    clean, own_cut, _full, _others = _vllm_head_parts(ascii_branch=ascii_branch, all_ascii=all_ascii)
+    return [clean, f"{own_cut})"]
+
+
+def vllm_head_few_lines(con: duckdb.DuckDBPyConnection, run_sql: Callable[[str], object], *, ascii_branch: bool,
+                        all_ascii: bool) -> None:
+    """``vl_clean`` and ``vl_head`` for a few lines (``run_sql`` runs a statement on ``con``): the full header
+    pattern is compiled only if a line lacks vLLM's own header shape (16 ms of compiling otherwise)."""
+    clean, own_head = vllm_own_shape_sql(ascii_branch=ascii_branch, all_ascii=all_ascii)
+    run_sql(clean)
+    if con.execute("SELECT bool_and(std) FROM vl_clean").fetchall()[0][0] is not False:
+        run_sql(own_head)
+        return
+    _clean, own_cut, full, others = _vllm_head_parts(ascii_branch=ascii_branch, all_ascii=all_ascii)
+    run_sql(f"DELETE FROM vl_clean WHERE NOT std AND NOT {full}")
+    run_sql(f"{own_cut}{others})")
+
+
+def _vllm_head_parts(*, ascii_branch: bool, all_ascii: bool) -> tuple[str, str, str, str]:
+    """The pieces of vllm_head_sql's statements: ``vl_clean`` with ``std`` and no filter yet, ``vl_head``'s cut of
+    vLLM's own shape (its parenthesis left open), the full header pattern's test, and ``vl_head``'s branch for the
+    lines of any other shape."""
     def rx(fn: str, col: str, regex: re.Pattern[str], *args: str) -> str:
         return _vllm_rx(fn, col, regex, *args, ascii_branch=ascii_branch, all_ascii=all_ascii)
 
     ansi = sql_str(vllm_log.ANSI_RE.pattern)
-    full = rx("regexp_matches", "t", vllm_log.HEADER_RE)
     clean = f"""CREATE TEMP TABLE vl_clean AS SELECT f, n, t, std FROM (
               SELECT f, n, t, {rx('regexp_matches', 't', STD_HEADER_RE)} AS std FROM (
                 SELECT f, n, CASE WHEN contains(t0, chr(27)) THEN regexp_replace(t0, {ansi}, '', 'g') ELSE t0 END AS t
@@ -644,7 +666,7 @@ def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False, other_s
     # (the file part has none), the time stamp is the 14 characters before " [" and the level ends at the
     # spaces before it; only the message is copied out of the line. Any other prefix (VLLM_LOGGING_PREFIX)
     # goes through the full pattern.
-    cut = f"""CREATE TEMP TABLE vl_head AS SELECT *, {VLLM_WORD} AS w FROM (
+    own_cut = f"""CREATE TEMP TABLE vl_head AS SELECT *, {VLLM_WORD} AS w FROM (
             WITH s AS (SELECT f, n, t, starts_with(t, '(') AS has_proc, strpos(t, '[') AS b, strpos(t, ']') AS c
                        FROM vl_clean WHERE std),
             p AS (SELECT *, CASE WHEN has_proc THEN strpos(t, ' pid=') END AS q,
@@ -659,23 +681,7 @@ def vllm_head_sql(*, ascii_branch: bool = True, all_ascii: bool = False, other_s
             UNION ALL SELECT f, n, h.proc, h.pid, h.lvl, h.ts, h.file || ':' || h.line, h.msg
             FROM (SELECT f, n, {rx('regexp_extract', 't', vllm_log.HEADER_RE, HEADER_GROUPS)} AS h
                   FROM vl_clean WHERE NOT std)"""
-    if other_shapes is None:
-        return [f"{clean}\n            WHERE std OR {full}", f"{cut}{others})"]
-    if other_shapes:
-        return [f"DELETE FROM vl_clean WHERE NOT std AND NOT {full}", f"{cut}{others})"]
-    return [clean, f"{cut})"]
-
-
-def vllm_head_few_lines(con: duckdb.DuckDBPyConnection, run_sql: Callable[[str], object], *, ascii_branch: bool,
-                        all_ascii: bool) -> None:
-    """``vl_clean`` and ``vl_head`` for a few lines (``run_sql`` runs a statement on ``con``): the full header
-    pattern is compiled only if a line lacks vLLM's own header shape (16 ms of compiling otherwise)."""
-    clean, head = vllm_head_sql(ascii_branch=ascii_branch, all_ascii=all_ascii, other_shapes=False)
-    run_sql(clean)
-    if con.execute("SELECT bool_and(std) FROM vl_clean").fetchall()[0][0] is False:
-        others, head = vllm_head_sql(ascii_branch=ascii_branch, all_ascii=all_ascii, other_shapes=True)
-        run_sql(others)
-    run_sql(head)
+    return clean, own_cut, rx("regexp_matches", "t", vllm_log.HEADER_RE), others
 
 
 def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool = True, fast: bool = True,

@@ -49,13 +49,15 @@ def _one_pass_form(regex: re.Pattern[str], form: Callable[[re.Pattern[str]], str
     return form(re.compile(src.replace(_LAZY_CONV, r"conv=(?P<conv>\S+) "), regex.flags))
 
 
-_FORMS: Final = {kind: _one_pass_form(regex) for kind, regex in PROXY_CLASSIFIERS if kind in _ONE_PASS}
-
-
 @functools.cache
-def _ascii_forms() -> dict[str, str]:
-    """_FORMS as RE2 reads them the same way on ASCII text."""
-    return {kind: _one_pass_form(regex, ascii_form) for kind, regex in PROXY_CLASSIFIERS if kind in _ONE_PASS}
+def _one_pass_forms(ascii_only: bool) -> dict[str, str]:
+    """The one-pass kinds' patterns by kind, as RE2 reads them the same way on any text (or on ASCII text)."""
+    form = ascii_form if ascii_only else _re2
+    return {kind: _one_pass_form(regex, form) for kind, regex in PROXY_CLASSIFIERS if kind in _ONE_PASS}
+
+
+_FORMS: Final = _one_pass_forms(False)
+
 # PROXY_RE up to its message, for the line check: a line holds no newline, so "(?P<msg>.*)$" matches whatever
 # follows (and RE2 stops at the prefix instead of scanning to the end)
 _PROXY_MSG: Final = "(?P<msg>.*)$"
@@ -118,7 +120,7 @@ def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool =
     ``all_ascii``: every line of lines_proxy is ASCII, and the patterns take their ASCII forms (a Unicode class
     costs RE2 ten times as long to compile, which a few lines' run pays for and never gets back)."""
     classes = [(i, kind, regex) for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS) if present is None or i in present]
-    form, forms = (ascii_form, _ascii_forms()) if all_ascii else (_re2, _FORMS)
+    form, forms = (ascii_form if all_ascii else _re2), _one_pass_forms(all_ascii)
     kinds, groups = [], []
     for i, kind, regex in classes:
         if kind in _FORMS:

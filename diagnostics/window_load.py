@@ -116,14 +116,15 @@ def _spans(times: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
-def span_patterns(spans: list[tuple[float, float]], offset: float = 0.0) -> tuple[str, str]:
+def span_patterns(spans: list[tuple[float, float]], p_spans: list[tuple[float, float]] | None = None
+                  ) -> tuple[str, str]:
     """The searches for the spans' lines (POSIX extended regexes rg and Python read the same way): the proxy's
-    lines stamped in a span, and P's lines stamped in a span (moved by ``offset``, P's clock minus the proxy's)
-    that hold a kind the ledger reads (found together by the search, so the rest, most of a busy engine's lines,
-    never reach Python; _SPAN_KEEP still decides)."""
+    lines stamped in a span, and P's lines stamped in a span of ``p_spans`` (the same spans on P's clock; default
+    ``spans``) that hold a kind the ledger reads (found together by the search, so the rest, most of a busy
+    engine's lines, never reach Python; _SPAN_KEEP still decides)."""
     proxy = "^(" + "|".join(_ere(p) for p in _prefixes(spans, "%Y-%m-%d %H:%M:%S")) + ")"
     ansi = "(\x1b\\[[0-9;]*m)*"
-    p_spans = [(lo + offset, hi + offset) for lo, hi in spans]
+    p_spans = spans if p_spans is None else p_spans
     stamped = f" {ansi}(DEBUG|INFO|WARNING|ERROR|CRITICAL){ansi} +{ansi}(" + "|".join(
         _ere(p) for p in _prefixes(p_spans, "%m-%d %H:%M:%S")) + ")"
     kinds = "(" + "|".join(_ere(k.decode()) for k in _SPAN_KEEP_WORDS) + ")"
@@ -346,7 +347,7 @@ def ledger_for_conversation(files: list[LogFile], index: LogIndex, wanted: set[s
     # its lines naming this conversation's requests give, as build_ledger measures it on every line it is given
     offset = clock_offset(index)
     p_spans = [(lo + offset, hi + offset) for lo, hi in spans]
-    proxy_ere, vllm_ere = span_patterns(spans, offset)
+    proxy_ere, vllm_ere = span_patterns(spans, p_spans)
     seen = {(r.path, r.lineno) for r in index.proxy}
     extra = LogIndex(events=index.events, file_roles=index.file_roles, formats=index.formats)
     stats = LineStats()

@@ -4,6 +4,7 @@ channel could not listen: another process took the port)."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,23 @@ PORT_TAKEN_LOG = ("Exception in thread nixl_handshake_listener:\nTraceback (most
                   "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:28447')\n")
 
 
-def test_a_side_channel_whose_port_was_taken_is_run_again(tmp_path: Path) -> None:
+def _failing_once(first_log: str, failure: Exception) -> tuple[Callable[[Path], None], list[Path]]:
+    """A scenario whose first attempt writes ``first_log`` into D's log and raises ``failure``; the directories
+    it ran in."""
     seen: list[Path] = []
 
     def run(d: Path) -> None:
         seen.append(d)
         if len(seen) == 1:
-            (d / "decode.log").write_text("INFO started\n" + PORT_TAKEN_LOG)
-            raise RuntimeError("decode wrote no ready file within 120 s")
+            (d / "decode.log").write_text("INFO started\n" + first_log)
+            raise failure
         (d / "decode.log").write_text("INFO started\n")
 
+    return run, seen
+
+
+def test_a_side_channel_whose_port_was_taken_is_run_again(tmp_path: Path) -> None:
+    run, seen = _failing_once(PORT_TAKEN_LOG, RuntimeError("decode wrote no ready file within 120 s"))
     assert run_retrying_handshake(attempt_dirs(tmp_path), run) == seen[1]
     # negative control: a port taken elsewhere in the log (no listener died) is some other failure
     other = tmp_path / "other"
@@ -56,15 +64,7 @@ def test_a_side_channel_whose_port_was_taken_is_run_again(tmp_path: Path) -> Non
 
 
 def test_a_handshake_timeout_is_run_again_in_a_fresh_directory(tmp_path: Path) -> None:
-    seen: list[Path] = []
-
-    def run(d: Path) -> None:
-        seen.append(d)
-        if len(seen) == 1:
-            (d / "decode.log").write_text("INFO started\n" + TIMED_OUT)
-            raise AssertionError({"ok": 2, "error": 1})
-        (d / "decode.log").write_text("INFO started\n")
-
+    run, seen = _failing_once(TIMED_OUT, AssertionError({"ok": 2, "error": 1}))
     got = run_retrying_handshake(attempt_dirs(tmp_path), run)
     assert got == seen[1] != seen[0]
     assert handshake_failed(seen[0]) and not handshake_failed(got)

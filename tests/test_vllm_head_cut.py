@@ -83,9 +83,8 @@ def _tables(lines: list[str], run: str) -> tuple[list[tuple[object, ...]], list[
     elif run == "few":
         ep.vllm_head_few_lines(con, con.execute, ascii_branch=False, all_ascii=all(x.isascii() for x in lines))
     else:  # negative control: the own-shape statements alone, whatever the lines
-        clean, head = ep.vllm_head_sql(ascii_branch=False, other_shapes=False)
-        con.execute(clean)
-        con.execute(head)
+        for q in ep.vllm_own_shape_sql(ascii_branch=False):
+            con.execute(q)
     return (con.execute("SELECT f, n, t, std FROM vl_clean ORDER BY n").fetchall(),
             con.execute("SELECT * FROM vl_head ORDER BY n").fetchall())
 

@@ -102,10 +102,10 @@ def run_retrying_handshake(new_dir: Callable[[], Path], run: Callable[[Path], No
     """``run`` a testbed scenario in a fresh ``new_dir()``; return that directory.
 
     A run whose P or D logged vLLM's own handshake timeout (or a side channel whose port another process took)
-    is not the scenario the test planned, whether it
-    failed or came back with a recomputed or failed turn in its records: it is run again, in a new directory
-    (a partial run's lines must not mix with the next). Any other failure propagates; so does the last
-    attempt's, and the last attempt's directory is returned for the test to judge.
+    is not the scenario the test planned, whether it failed or came back with a recomputed or failed turn in its
+    records: it is run again, in a new directory (a partial run's lines must not mix with the next). Any other
+    failure propagates; so does the last attempt's, and the last attempt's directory is returned for the test
+    to judge.
     """
     for attempt in range(1, attempts + 1):
         tmp = new_dir()
