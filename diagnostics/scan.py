@@ -214,11 +214,13 @@ def grep_prefixed(path: str, prefix: bytes | Sequence[bytes], needles: Sequence[
         literals = sorted({p + n + suffix if whole else n + suffix for p in prefixes for n in needles}
                           | {a for a in also if a}, key=len, reverse=True)
         if _rg_literals_ok(literals):
-            wanted = re.compile(b"|".join(re.escape(p + n + suffix) for p in prefixes for n in needles)
-                                + b"".join(b"|" + re.escape(a) for a in also if a))
+            # (substring tests, not a compiled alternation: these searches keep a few lines, and compiling the
+            # pattern cost more than testing them, 0.65 ms a file)
+            wanted = (*{p + n + suffix for p in prefixes for n in needles}, *(a for a in also if a))
             # (mapped: these searches run for one conversation, a few needles and few lines kept, where reading
             # the file through rg's buffer costs more than mapping it; the resident size that adds is the page cache's)
-            return (hit for hit in _rg_fixed(path, literals, progress, mapped=True) if wanted.search(hit[1]))
+            return (hit for hit in _rg_fixed(path, literals, progress, mapped=True)
+                    if any(w in hit[1] for w in wanted))
     if GREP is not None and not path.endswith(".gz") and all(_SAFE_RE.fullmatch(n) for n in needles):
         alternatives = b"|".join(n.replace(b".", b"\\.") for n in needles)
         if has_pcre():
@@ -344,23 +346,24 @@ def head_lines(path: str, keywords: Sequence[bytes], limit: int) -> Iterator[tup
             head = fh.read(limit)
     except (OSError, EOFError) as exc:
         raise LogReadError(f"cannot read {path}: {exc}") from None
-    body = head if len(head) < limit else head[:head.rfind(b"\n") + 1]
+    # (bounded by ``stop`` rather than cut: a copy of the 4 MB head costs as much as both keyword searches)
+    stop = len(head) if len(head) < limit else head.rfind(b"\n") + 1
     if any(not k or b"\n" in k for k in keywords):  # (such a keyword is in every line, or in none)
-        yield from _head_lines_split(body, keywords)
+        yield from _head_lines_split(head[:stop], keywords)
         return
     starts: set[int] = set()  # where each line holding a keyword starts (bytes.find, not a split into lines)
     for k in keywords:
-        at = body.find(k)
+        at = head.find(k, 0, stop)
         while at >= 0:
-            starts.add(body.rfind(b"\n", 0, at) + 1)
-            end = body.find(b"\n", at)
-            at = body.find(k, end + 1) if end >= 0 else -1
+            starts.add(head.rfind(b"\n", 0, at) + 1)
+            end = head.find(b"\n", at, stop)
+            at = head.find(k, end + 1, stop) if end >= 0 else -1
     lineno, counted = 1, 0
     for start in sorted(starts):
-        lineno += body.count(b"\n", counted, start)
+        lineno += head.count(b"\n", counted, start)
         counted = start
-        end = body.find(b"\n", start)
-        yield lineno, body[start:end + 1] if end >= 0 else body[start:]
+        end = head.find(b"\n", start, stop)
+        yield lineno, head[start:end + 1] if end >= 0 else head[start:stop]
 
 
 def _head_lines_split(body: bytes, keywords: Sequence[bytes]) -> Iterator[tuple[int, bytes]]:

@@ -1,0 +1,74 @@
+"""A turn's details (explain's paragraphs under the table) are laid out by hand; they read exactly as the rich grid
+they replace: indent, dim label, text wrapped at words beside it, a word wider than the page folded, the evidence
+line cut at the page's edge. Checked on random texts and widths, with a negative control.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from kvdiag.diagnostics.terminal import _INDENT, _LABEL_WIDTH, TurnDetails, render_text
+
+
+def _as_grid(details: TurnDetails, *, label_width: int = _LABEL_WIDTH) -> list[RenderableType]:
+    """The same rows as the rich grid explain printed before (the reference layout)."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=_INDENT, no_wrap=True)
+    grid.add_column(width=label_width, no_wrap=True, style="dim")
+    grid.add_column(overflow="fold")
+    for label, text in details.rows:
+        grid.add_row("", label, text)
+    return [details.head, grid]
+
+
+# (no tab: the grid measured a tab as no cell and wrapped "a\tb" over nine lines; see the last test)
+_WORD = st.text(alphabet=st.sampled_from("abcdefghij0123456789,.:;=()/-_é界"), min_size=1, max_size=40)
+_PARAGRAPH = st.lists(_WORD, min_size=0, max_size=30).map(" ".join)
+_ROWS = st.lists(
+    st.tuples(st.sampled_from(["reason", "reuse", "trimmed", "trim fix", "WRONG KV", "fix", "evidence", ""]),
+              _PARAGRAPH, st.sampled_from(["wrap", "fold", "clip"])),
+    min_size=1, max_size=8)
+
+
+def _details(rows: list[tuple[str, str, str]]) -> TurnDetails:
+    texts = []
+    for label, body, kind in rows:
+        if kind == "clip":
+            texts.append((label, Text(body, no_wrap=True, overflow="crop", style="dim")))
+        elif kind == "fold":
+            texts.append((label, Text(body, overflow="fold")))
+        else:
+            texts.append((label, Text(body, style="bold red" if label == "WRONG KV" else "")))
+    return TurnDetails(Text("turn 3  remote_hit (confirmed)", style="bold"), texts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=_ROWS, width=st.integers(min_value=40, max_value=200))
+def test_details_read_as_the_grid_did(rows: list[tuple[str, str, str]], width: int) -> None:
+    details = _details(rows)
+    assert render_text([details], width) == render_text(_as_grid(details), width)
+
+
+def test_a_long_paragraph_wraps_under_its_text_column() -> None:
+    body = "the router's entry had expired before the next turn arrived; " * 4
+    out = render_text([_details([("reason", body, "wrap"), ("evidence", "/var/log/x.log:12", "fold")])], 60)
+    lines = out.splitlines()
+    assert lines[1].startswith("   reason    the router")
+    assert all(len(line) <= 60 for line in lines)
+    assert all(line.startswith(" " * 13) for line in lines[2:-1])  # continuation lines stay under the text
+    assert lines[-1].startswith("   evidence  /var/log/x.log:12")
+
+
+def test_the_comparison_catches_a_shifted_column() -> None:
+    # negative control: a grid one column wider for the labels reads differently, and the check sees it
+    details = _details([("reason", "P read the conversation's KV back from D over NIXL", "wrap")])
+    assert render_text([details], 80) != render_text(_as_grid(details, label_width=_LABEL_WIDTH + 1), 80)
+
+
+def test_a_tab_is_expanded_in_place() -> None:
+    out = render_text([_details([("evidence", "/logs/odd\tname.log:7", "fold")])], 80)
+    assert out.splitlines()[1] == "   evidence  /logs/odd       name.log:7"
