@@ -203,7 +203,7 @@ class TurnDetails:
                 yield lead
                 yield Segment((label if i == 0 else "").ljust(_LABEL_WIDTH)[:_LABEL_WIDTH], label_style)
                 yield gap
-                yield from line.render(console)
+                yield from Text().append(line).render(console)  # (render alone drops a text's own style)
                 yield Segment.line()
 
 

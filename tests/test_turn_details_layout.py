@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rich.console import RenderableType
+from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -46,11 +46,22 @@ def _details(rows: list[tuple[str, str, str]]) -> TurnDetails:
     return TurnDetails(Text("turn 3  remote_hit (confirmed)", style="bold"), texts)
 
 
+def _styled(parts: list[RenderableType], width: int) -> list[list[tuple[str, str]]]:
+    """Each line's visible characters with their style, as a colour terminal shows them."""
+    console = Console(width=width, color_system="standard", force_terminal=True, highlight=False)
+    out = []
+    for part in parts:
+        for line in console.render_lines(part, console.options, pad=False):
+            out.append([(ch, str(seg.style)) for seg in line for ch in seg.text if not ch.isspace()])
+    return out
+
+
 @settings(max_examples=300, deadline=None)
 @given(rows=_ROWS, width=st.integers(min_value=40, max_value=200))
 def test_details_read_as_the_grid_did(rows: list[tuple[str, str, str]], width: int) -> None:
     details = _details(rows)
     assert render_text([details], width) == render_text(_as_grid(details), width)
+    assert _styled([details], width) == _styled(_as_grid(details), width)  # dim labels, dim evidence, bold red
 
 
 def test_a_long_paragraph_wraps_under_its_text_column() -> None:
@@ -61,6 +72,14 @@ def test_a_long_paragraph_wraps_under_its_text_column() -> None:
     assert all(len(line) <= 60 for line in lines)
     assert all(line.startswith(" " * 13) for line in lines[2:-1])  # continuation lines stay under the text
     assert lines[-1].startswith("   evidence  /var/log/x.log:12")
+
+
+def test_the_style_comparison_catches_a_lost_style() -> None:
+    # negative control: the evidence line without its dim style is told apart (Text.render alone drops it)
+    details = _details([("", "2026-11-29 06:55:01 [INFO] disagg_proxy: [1a2b3c]", "clip")])
+    plain = TurnDetails(details.head, [(label, Text(text.plain, no_wrap=True)) for label, text in details.rows])
+    assert render_text([plain], 80) == render_text([details], 80)
+    assert _styled([plain], 80) != _styled([details], 80)
 
 
 def test_the_comparison_catches_a_shifted_column() -> None:
