@@ -1,6 +1,9 @@
-"""A turn's details (explain's paragraphs under the table) are laid out by hand; they read exactly as the rich grid
-they replace: indent, dim label, text wrapped at words beside it, a word wider than the page folded, the evidence
-line cut at the page's edge. Checked on random texts and widths, with a negative control.
+"""explain's turn table and each turn's details are laid out by hand (rich's layout measures every cell first, a
+millisecond a row); they read exactly as rich's table and grid do, character by character and style by style.
+
+The details: indent, dim label, text wrapped at words beside it, a word wider than the page folded, the evidence
+line cut at the page's edge. The table: title, bold header, rule, columns justified. Checked on random texts and
+widths against rich's own layout, with negative controls.
 """
 
 from __future__ import annotations
@@ -11,7 +14,15 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvdiag.diagnostics.terminal import _INDENT, _LABEL_WIDTH, TurnDetails, render_text
+from kvdiag.diagnostics.terminal import (
+    _INDENT,
+    _LABEL_WIDTH,
+    OneLineTable,
+    TurnDetails,
+    cell,
+    compact_table,
+    render_text,
+)
 
 
 def _as_grid(details: TurnDetails, *, label_width: int = _LABEL_WIDTH) -> list[RenderableType]:
@@ -91,3 +102,52 @@ def test_the_comparison_catches_a_shifted_column() -> None:
 def test_a_tab_is_expanded_in_place() -> None:
     out = render_text([_details([("evidence", "/logs/odd\tname.log:7", "fold")])], 80)
     assert out.splitlines()[1] == "   evidence  /logs/odd       name.log:7"
+
+
+# ----------------------------------------------------------------------------------------- the turn table
+
+_CELL = st.one_of(st.integers(min_value=0, max_value=10**9).map(lambda n: f"{n:,}"),
+                  st.sampled_from(["first_turn", "remote_hit", "metadata_not_returned*", "-", "153 ms", "1.2 s",
+                                   "09:11:06", "11-29 09:11:06", "界面", "é"]))
+
+
+def _table(title: str | None, rows: list[list[str]], styles: list[str]) -> Table:
+    table = compact_table(Text(title) if title is not None else None)
+    for name, justify in (("turn", "right"), ("start", "left"), ("TTFT", "right"), ("verdict", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for row, style in zip(rows, styles, strict=False):
+        table.add_row(*(cell(x) for x in row[:3]), cell(row[3], style))
+    return table
+
+
+@settings(max_examples=300, deadline=None)
+@given(title=st.one_of(st.none(), st.text(alphabet="abcé界 -_:()0123456789", max_size=90)),
+       rows=st.lists(st.lists(_CELL, min_size=4, max_size=4), min_size=0, max_size=12),
+       styles=st.lists(st.sampled_from(["", "red", "green"]), min_size=12, max_size=12),
+       width=st.integers(min_value=20, max_value=160))
+def test_the_turn_table_reads_as_rich_lays_it_out(title: str | None, rows: list[list[str]], styles: list[str],
+                                                  width: int) -> None:
+    # where it does not fit (narrow pages, long titles) OneLineTable hands the table to rich: equal by construction
+    table = _table(title, rows, styles)
+    assert render_text([OneLineTable(table)], width) == render_text([table], width)
+    assert _styled([OneLineTable(table)], width) == _styled([table], width)
+
+
+def test_a_table_that_fits_is_laid_out_by_hand() -> None:
+    # the hand layout is what runs at an ordinary width (else the comparison above would compare rich with rich)
+    table = _table("conversation c1", [["1", "09:11:06", "153 ms", "first_turn"]], [""])
+    console = Console(width=80)
+    laid_out = list(OneLineTable(table).__rich_console__(console, console.options))
+    assert laid_out and not any(isinstance(part, Table) for part in laid_out)
+    narrow = Console(width=20)
+    assert any(isinstance(part, Table) for part in OneLineTable(table).__rich_console__(narrow, narrow.options))
+
+
+def test_the_table_comparison_catches_a_wrong_justification() -> None:
+    # negative control: the turn numbers justified left instead of right read differently, and the check sees it
+    table = _table(None, [["7", "09:11:06", "153 ms", "first_turn"], ["12", "09:11:07", "1.2 s", "remote_hit"]],
+                   ["", "green"])
+    table.columns[0].justify = "left"
+    wrong = render_text([OneLineTable(table)], 80)
+    table.columns[0].justify = "right"
+    assert wrong != render_text([table], 80)
