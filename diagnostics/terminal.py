@@ -19,7 +19,6 @@ from typing import Any, Final
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderableType
 from rich.segment import Segment
-from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
@@ -32,6 +31,7 @@ from kvdiag.diagnostics.humanize import (
 )
 from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
 from kvdiag.diagnostics.terminal_safe import safe_console
+from kvdiag.diagnostics.terminal_table import QuickTable, quick
 from kvdiag.schema.verdicts import TRIM_INFO, Confidence, TrimInfo, TrimReason
 
 INFERRED_MARK: Final = "*"
@@ -106,7 +106,7 @@ def explain_renderables(conv: ConversationRecord, *, width: int, wide: bool = Fa
     return out
 
 
-def _turn_table(conv: ConversationRecord) -> OneLineTable:
+def _turn_table(conv: ConversationRecord) -> QuickTable:
     starts = [utc for utc in map(_utc, (t.start_ts for t in conv.turns)) if utc is not None]
     days = {utc[:3] for utc in starts}
     table = compact_table(Text(f"conversation {conv.conversation_id}" + (
@@ -118,66 +118,7 @@ def _turn_table(conv: ConversationRecord) -> OneLineTable:
         table.add_row(cell(str(t.turn)), cell(_start(t.start_ts, len(days) > 1)), cell(human_ms(t.ttft_ms)),
                       cell(human_count(t.prompt_tokens)), cell(human_count(_reused_tokens(t))),
                       cell(verdict_label(t), _verdict_style(t)))
-    return OneLineTable(table)
-
-
-class OneLineTable:
-    """A compact table (:func:`compact_table`) whose cells are one line each: laid out by hand when it fits the
-    page, by rich otherwise (rich shrinks its columns and cuts cells with an ellipsis).
-
-    rich measures every cell before laying it out, about a millisecond a row: a 200-turn agent conversation's
-    table took 0.2 s to print. The hand layout gives the same characters in the same styles."""
-
-    def __init__(self, table: Table) -> None:
-        self.table = table
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[RenderableType | Segment]:
-        table = self.table
-        columns = [(c.header, list(c.cells), c.justify) for c in table.columns]
-        title = table.title
-        one_line = (table.box is not None and (title is None or (isinstance(title, Text) and "\n" not in title.plain))
-                    and all(isinstance(head, str) and "[" not in head and j in ("left", "right", "default")
-                            for head, _, j in columns)
-                    and all(isinstance(x, Text) and "\n" not in x.plain for _, col, _ in columns for x in col))
-        if not one_line or table.box is None:
-            yield table
-            return
-        heads = [Text(str(head)) for head, _, _ in columns]
-        texts = [[x for x in col if isinstance(x, Text)] for _, col, _ in columns]
-        widths = [max([head.cell_len] + [x.cell_len for x in col]) for head, col in zip(heads, texts, strict=True)]
-        total = sum(widths) + 2 * (len(widths) - 1)  # (one space of padding, collapsed, and the divider)
-        if total > options.max_width or (isinstance(title, Text) and title.cell_len > total):
-            yield table
-            return
-        box = table.box.substitute(options, safe=table.safe_box if table.safe_box is not None else console.safe_box)
-        justify = [str(j) for _, _, j in columns]
-        if isinstance(title, Text) and title:  # (rich prints no empty title)
-            yield from self._line(console, [title], [total], ["left"], Style.null(), "")
-        yield from self._line(console, heads, widths, justify, console.get_style(table.header_style or ""),
-                              box.head_vertical)
-        yield Segment(box.get_row([w + 1 for w in widths[:-1]] + widths[-1:], "head", edge=False),
-                      console.get_style(table.border_style or ""))
-        yield Segment.line()
-        rows = list(zip(*texts, strict=True))
-        for i, row in enumerate(rows):
-            yield from self._line(console, row, widths, justify, Style.null(),
-                                  box.foot_vertical if i == len(rows) - 1 else box.mid_vertical)
-
-    @staticmethod
-    def _line(console: Console, texts: Sequence[Text], widths: Sequence[int], justify: Sequence[str],
-              style: Style, divider: str) -> Iterator[Segment]:
-        for i, (text, width) in enumerate(zip(texts, widths, strict=True)):
-            space = width - text.cell_len
-            if justify[i] == "right":
-                yield Segment(" " * space, style)
-            # (the cell's style under the text's own; Text.render alone drops a text's base style)
-            yield from Segment.apply_style(Text().append(text).render(console), style)
-            if justify[i] != "right":
-                yield Segment(" " * space, style)
-            if i < len(texts) - 1:
-                yield Segment(" ", style)
-                yield Segment(divider)
-        yield Segment.line()
+    return QuickTable(table)
 
 
 def _verdict_style(t: TurnRecord) -> str:
@@ -359,7 +300,7 @@ def explain_all_renderables(convs: Sequence[ConversationRecord], *, wide: bool =
         else:  # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
             verdicts = " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(t.verdict.value for t in c.turns))
         table.add_row(Text(c.conversation_id), cell(str(len(c.turns))), Text(verdicts))
-    return [summary, table]
+    return quick([summary, table])
 
 
 def _runs(values: Iterable[str]) -> list[tuple[str, int]]:

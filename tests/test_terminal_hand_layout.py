@@ -14,15 +14,8 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvdiag.diagnostics.terminal import (
-    _INDENT,
-    _LABEL_WIDTH,
-    OneLineTable,
-    TurnDetails,
-    cell,
-    compact_table,
-    render_text,
-)
+from kvdiag.diagnostics.terminal import _INDENT, _LABEL_WIDTH, TurnDetails, cell, compact_table, render_text
+from kvdiag.diagnostics.terminal_table import QuickTable
 
 
 def _as_grid(details: TurnDetails, *, label_width: int = _LABEL_WIDTH) -> list[RenderableType]:
@@ -127,20 +120,48 @@ def _table(title: str | None, rows: list[list[str]], styles: list[str]) -> Table
        width=st.integers(min_value=20, max_value=160))
 def test_the_turn_table_reads_as_rich_lays_it_out(title: str | None, rows: list[list[str]], styles: list[str],
                                                   width: int) -> None:
-    # where it does not fit (narrow pages, long titles) OneLineTable hands the table to rich: equal by construction
+    # where it does not fit (narrow pages, long titles) QuickTable hands the table to rich: equal by construction
     table = _table(title, rows, styles)
-    assert render_text([OneLineTable(table)], width) == render_text([table], width)
-    assert _styled([OneLineTable(table)], width) == _styled([table], width)
+    assert render_text([QuickTable(table)], width) == render_text([table], width)
+    assert _styled([QuickTable(table)], width) == _styled([table], width)
 
 
-def test_a_table_that_fits_is_laid_out_by_hand() -> None:
-    # the hand layout is what runs at an ordinary width (else the comparison above would compare rich with rich)
+def test_a_compact_table_is_laid_out_by_hand() -> None:
+    # the hand layout is what runs (else the comparisons here would compare rich with rich), narrow pages included;
+    # a table with borders is rich's, and so is one squeezed until a column has no room left
     table = _table("conversation c1", [["1", "09:11:06", "153 ms", "first_turn"]], [""])
+    for width in (80, 30):  # (30: the verdict cut with an ellipsis)
+        console = Console(width=width)
+        assert not any(isinstance(part, Table) for part in QuickTable(table).__rich_console__(console,
+                                                                                          console.options))
+    squeezed = Console(width=12)
+    assert any(isinstance(part, Table) for part in QuickTable(table).__rich_console__(squeezed, squeezed.options))
+    boxed = Table("a", "b")
+    boxed.add_row(Text("1"), Text("2"))
     console = Console(width=80)
-    laid_out = list(OneLineTable(table).__rich_console__(console, console.options))
-    assert laid_out and not any(isinstance(part, Table) for part in laid_out)
-    narrow = Console(width=20)
-    assert any(isinstance(part, Table) for part in OneLineTable(table).__rich_console__(narrow, narrow.options))
+    assert any(isinstance(part, Table) for part in QuickTable(boxed).__rich_console__(console, console.options))
+
+
+_ID = st.text(alphabet=st.sampled_from("abcdef0123456789-_:/é界 "), min_size=1, max_size=70)
+_VERDICTS = st.lists(st.sampled_from(["first_turn", "remote_hit×4", "expired_remote_read", "metadata_not_returned*",
+                                      "transfer_failed"]), min_size=1, max_size=9).map(" ".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(_ID, st.integers(min_value=1, max_value=10**6), _VERDICTS), min_size=0, max_size=10),
+       width=st.integers(min_value=20, max_value=160), title=st.sampled_from([None, "", "verdict counts",
+                                                                               "36,311 conversations, worst first"]))
+def test_a_table_whose_cells_wrap_reads_as_rich_lays_it_out(rows: list[tuple[str, int, str]], width: int,
+                                                             title: str | None) -> None:
+    # explain --all's table: ids and verdict runs fold or wrap when the page is too narrow for them
+    table = compact_table(title)
+    table.add_column("conversation", overflow="fold")
+    table.add_column("turns", justify="right", no_wrap=True)
+    table.add_column("verdicts", overflow="fold")
+    for conversation, turns, verdicts in rows:
+        table.add_row(Text(conversation), cell(f"{turns:,}", "red" if turns % 2 else ""), Text(verdicts))
+    assert render_text([QuickTable(table)], width) == render_text([table], width)
+    assert _styled([QuickTable(table)], width) == _styled([table], width)
 
 
 def test_the_table_comparison_catches_a_wrong_justification() -> None:
@@ -148,6 +169,6 @@ def test_the_table_comparison_catches_a_wrong_justification() -> None:
     table = _table(None, [["7", "09:11:06", "153 ms", "first_turn"], ["12", "09:11:07", "1.2 s", "remote_hit"]],
                    ["", "green"])
     table.columns[0].justify = "left"
-    wrong = render_text([OneLineTable(table)], 80)
+    wrong = render_text([QuickTable(table)], 80)
     table.columns[0].justify = "right"
     assert wrong != render_text([table], 80)

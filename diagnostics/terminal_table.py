@@ -1,0 +1,176 @@
+"""Internal: rich tables laid out by hand, the same characters in the same styles as rich lays them out.
+
+rich measures every cell of a table, then renders every cell through its generic layout: about a millisecond a
+row. ``explain --all`` prints one row per conversation (36,311 rows for a gigabyte of logs: half a minute of
+printing after fifteen seconds of analysis), and a long agent conversation one row per turn. :class:`QuickTable`
+asks rich only for the column widths, from a table holding the few cells that decide them, and lays out each
+row itself. Tables it was not written for (borders, row styles, sections, fixed widths...) are rich's to lay out.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderableType
+from rich.segment import Segment
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+
+_JUSTIFY: Final = ("left", "right", "default")
+
+
+class QuickTable:
+    """A compact rich table (no edge, one space of padding, collapsed, no row styles or sections) whose cells are
+    texts, laid out by hand; any other table is laid out by rich."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[RenderableType | Segment]:
+        table = self.table
+        if not _handled(table):
+            yield table
+            return
+        try:  # (the widths come from rich's own layout code, which it does not promise to keep)
+            widths = _widths(table, console, options)
+        except (AttributeError, TypeError):
+            yield table
+            return
+        if any(w < (1 if i == len(widths) - 1 else 2) for i, w in enumerate(widths)):
+            yield table  # (a column squeezed to nothing on a page too narrow: rich's own corner cases)
+            return
+        yield from _render(table, console, options, widths)
+
+
+def _handled(table: Table) -> bool:
+    columns = table.columns
+    return bool(
+        columns and table.box is not None and table.show_header and not table.show_footer and not table.show_edge
+        and not table.show_lines and not table.leading and not table.pad_edge and table.collapse_padding
+        and tuple(table.padding) == (0, 1, 0, 1) and not table.expand and table.width is None
+        and table.min_width is None and not table.caption and not table.row_styles and str(table.style) in ("", "none")
+        and not table.border_style and isinstance(table.title, (str, Text, type(None)))
+        and not any(row.style or row.end_section for row in table.rows)
+        and all(c.width is None and c.min_width is None and c.max_width is None and not c.ratio
+                and c.vertical == "top" and c.justify in _JUSTIFY and isinstance(c.header, str)
+                and all(isinstance(x, Text) and x.justify in (None, *_JUSTIFY) for x in c.cells) for c in columns))
+
+
+def _measure(text: Text) -> tuple[int, int]:
+    """(minimum, maximum) width of a cell's text, as rich measures a Text."""
+    plain = text.plain
+    lines = plain.splitlines()
+    widest = max((cell_len(line) for line in lines), default=0)
+    words = plain.split()
+    return (max((cell_len(w) for w in words), default=widest)), widest
+
+
+def _widths(table: Table, console: Console, options: ConsoleOptions) -> list[int]:
+    """The columns' widths (padding included), computed by rich on a table that holds, per column, only the cell
+    with the widest text and the cell with the widest word: rich takes the widest of each over a column's cells,
+    before and after shrinking it to the page, so these decide the widths alone."""
+    reduced = copy.copy(table)
+    reduced.columns = []
+    for column in table.columns:
+        cells = [x for x in column.cells if isinstance(x, Text)]
+        sizes = [_measure(x) for x in cells]
+        keep = sorted({max(range(len(cells)), key=lambda i: sizes[i][k]) for k in (0, 1)}) if cells else []
+        reduced.columns.append(dataclasses.replace(column, _cells=[cells[i] for i in keep]))
+    extra = len(table.columns) - 1  # (the dividers between columns)
+    widths: list[int] = reduced._calculate_column_widths(  # (rich private: see _widths above)
+        console, options.update_width(options.max_width - extra))
+    return widths
+
+
+def _lines(console: Console, text: Text, width: int, justify: Any, overflow: Any, no_wrap: bool) -> list[Text]:
+    """A text wrapped at ``width`` as rich renders it in a cell (its own justify, overflow and no_wrap first)."""
+    if not text.plain:
+        return [Text()]
+    return list(text.wrap(console, width, justify=text.justify or justify or "default",
+                          overflow=text.overflow or overflow or "fold",
+                          tab_size=console.tab_size if text.tab_size is None else text.tab_size,
+                          no_wrap=text.no_wrap if text.no_wrap is not None else no_wrap))
+
+
+def _fits(text: Text, width: int) -> bool:
+    """A text that wrapping leaves as it is: one line, no tab, no trailing space, within ``width``."""
+    plain = text.plain
+    return bool(plain) and "\n" not in plain and "\t" not in plain and not plain[-1].isspace() \
+        and text.cell_len <= width
+
+
+def _cell(console: Console, text: Text, width: int, style: Style, column: Any) -> list[list[Segment]]:
+    """A cell's lines, each exactly ``width`` cells wide, in the cell's style under the text's own."""
+    if _fits(text, width):  # (most cells: Text.wrap is nine tenths of a row's cost)
+        short = width - text.cell_len
+        plain = [Segment(text.plain, style or None)] if not text.spans and not text.style else \
+            list(Segment.apply_style(Text().append(text).render(console), style))
+        if (text.justify or column.justify) == "right":
+            return [[Segment(" " * short, style), *plain]] if short else [plain]
+        return [[*plain, Segment(" " * short, style)]] if short else [plain]
+    out = []
+    for line in _lines(console, text, width, column.justify, column.overflow, column.no_wrap):
+        segments = list(Segment.apply_style(Text().append(line).render(console), style))
+        short = width - line.cell_len
+        if short < 0:  # (a no_wrap text wider than the page: cropped, as rich crops it)
+            segments = Segment.adjust_line_length(segments, width, style=style)
+        elif short:
+            segments.append(Segment(" " * short, style))
+        out.append(segments)
+    return out
+
+
+def _render(table: Table, console: Console, options: ConsoleOptions, widths: list[int]
+            ) -> Iterator[RenderableType | Segment]:
+    box = table.box.substitute(options, safe=table.safe_box if table.safe_box is not None else console.safe_box) \
+        if table.box is not None else None
+    assert box is not None  # (checked by _handled)
+    columns = table.columns
+    last = len(columns) - 1
+    table_width = sum(widths) + last
+    if table.title:
+        title = (console.render_str(table.title, style=table.title_style or "table.title", highlight=False)
+                 if isinstance(table.title, str) else table.title)
+        yield from console.render(title, options.update(width=table_width, highlight=table.highlight, height=None,
+                                                        justify=table.title_justify))
+    header_style = console.get_style(table.header_style or "")
+    heads = [(console.render_str(str(c.header), highlight=False), header_style + console.get_style(c.header_style))
+             for c in columns]
+    rows: list[list[tuple[Text, Style]]] = [heads]
+    styles = [console.get_style(c.style or "") for c in columns]
+    cells = [[x for x in c.cells if isinstance(x, Text)] for c in columns]
+    rows += [[(x, styles[i]) for i, x in enumerate(row)] for row in zip(*cells, strict=True)]
+    border = console.get_style(table.border_style or "")
+    for index, row in enumerate(rows):
+        divider = box.head_vertical if index == 0 else box.foot_vertical if index == len(rows) - 1 \
+            else box.mid_vertical
+        rendered = []
+        for i, (text, style) in enumerate(row):
+            pad = 0 if i == last else 1
+            lines = _cell(console, text, widths[i] - pad, style, columns[i])
+            rendered.append((lines, pad, style))
+        height = max(len(lines) for lines, _, _ in rendered)
+        for line_no in range(height):
+            for i, (lines, pad, style) in enumerate(rendered):
+                content = widths[i] - pad
+                # (rows align their cells at the top, the header at the bottom)
+                at = line_no - (height - len(lines)) if index == 0 else line_no
+                yield from lines[at] if 0 <= at < len(lines) else [Segment(" " * content, style)]
+                if pad:
+                    yield Segment(" " * pad, style)
+                if i != last:
+                    yield Segment(divider, border)
+            yield Segment.line()
+        if index == 0:
+            yield Segment(box.get_row(widths, "head", edge=False), border)
+            yield Segment.line()
+
+
+def quick(tables: Sequence[RenderableType]) -> list[RenderableType]:
+    """Each rich table of ``tables`` laid out by hand where :class:`QuickTable` can (the others as they are)."""
+    return [QuickTable(t) if isinstance(t, Table) else t for t in tables]
