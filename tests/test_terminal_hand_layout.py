@@ -8,6 +8,12 @@ widths against rich's own layout, with negative controls.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console, RenderableType
@@ -16,6 +22,8 @@ from rich.text import Text
 
 from kvdiag.diagnostics.terminal import _INDENT, _LABEL_WIDTH, TurnDetails, cell, compact_table, render_text
 from kvdiag.diagnostics.terminal_table import QuickTable
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _as_grid(details: TurnDetails, *, label_width: int = _LABEL_WIDTH) -> list[RenderableType]:
@@ -172,3 +180,18 @@ def test_the_table_comparison_catches_a_wrong_justification() -> None:
     wrong = render_text([QuickTable(table)], 80)
     table.columns[0].justify = "right"
     assert wrong != render_text([table], 80)
+
+
+def test_the_terminal_benchmark_prints_the_same_views_both_ways(capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/terminal_bench.py, bounded: explain --all and a long conversation, each printed by rich's layout
+    # and by kvdiag's; it stops with an error if the two texts differ
+    spec = importlib.util.spec_from_file_location("terminal_bench", ROOT / "benchmarks" / "terminal_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["terminal_bench", "--conversations", "300", "--turns", "40", "--repeat", "1"])
+    bench.main()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()][1:]
+    assert [r["view"] for r in rows] == ["explain --all, 300 conversations", "explain --conversation, 40 turns"]
+    assert all(r["lines"] > 40 and r["kvdiag_cpu_s"] >= 0 for r in rows)
