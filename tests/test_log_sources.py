@@ -31,6 +31,10 @@ EVENT = b'{"v":1,"ts":1796121216.375,"source":"router","event":"router_turn","co
     (VLLM + b"\n", None), (EVENT + b"\n", None), (b"[transformers] PyTorch was not found\n", None),
     (b'[{"conversation_id": "c1", "ttft_ms": 1.0}]\n', None), (b"", None),
     (b"2026-11-20 10:00:00,123 - INFO - [abc] conv=c1: cache MISS\n", None),
+    # a writer may escape any letter of a key: the wrapper is still told by its keys (and no escape fakes one)
+    (b'{"\\u006cog": "' + VLLM + b'\\n", "stream": "stderr", "time": "' + TS + b'"}\n', Wrapper("json")),
+    (b'{"mess\\u0061ge": "x", "kubernetes": {"pod_name": "p"}}\n', Wrapper("json")),
+    (b'{"v": 1, "source": "client", "note": "\\u006cog"}\n', None),
 ])
 def test_wrappers_are_recognised_by_content(head: bytes, expected: Wrapper | None) -> None:
     assert sniff_wrapper(head * 5) == expected
