@@ -185,7 +185,7 @@ class TurnDetails:
     beside it (a word wider than the page folds).
 
     Laid out by hand rather than as a rich grid, which measures every cell before wrapping it: a grid cost 3.5 ms
-    a turn, a tenth of a six-turn conversation's CLI run and most of a long one's printing."""
+    a turn (21 ms of a six-turn conversation's CLI run, 0.7 s of a 200-turn one's)."""
 
     def __init__(self, head: Text, rows: list[tuple[str, Text]]) -> None:
         self.head = head

@@ -9,6 +9,7 @@ widths against rich's own layout, with negative controls.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import sys
 from pathlib import Path
@@ -195,3 +196,19 @@ def test_the_terminal_benchmark_prints_the_same_views_both_ways(capsys: pytest.C
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()][1:]
     assert [r["view"] for r in rows] == ["explain --all, 300 conversations", "explain --conversation, 40 turns"]
     assert all(r["lines"] > 40 and r["kvdiag_cpu_s"] >= 0 for r in rows)
+
+
+class _AsciiFile(io.StringIO):
+    encoding = "ascii"  # (a terminal that cannot show box characters: rich draws its tables in ASCII)
+
+
+def test_an_ascii_terminal_gets_the_same_ascii_table() -> None:
+    table = _table("conversation c1", [["1", "09:11:06", "153 ms", "first_turn"], ["2", "09:11:07", "-", "remote"]],
+                   ["", "green"])
+    outs = []
+    for part in (QuickTable(table), table):
+        buf = _AsciiFile()
+        Console(file=buf, width=80, color_system=None).print(part)
+        outs.append(buf.getvalue())
+    assert outs[0] == outs[1]
+    assert "|" in outs[0] and "─" not in outs[0]
