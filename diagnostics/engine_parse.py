@@ -515,7 +515,7 @@ def kind_case(named: Iterable[tuple[int, str]], kinds: Iterable[str]) -> str:
     return f"CASE k {whens} END::ENUM({', '.join(sql_str(k) for k in dict.fromkeys(kinds))})"
 
 
-def _classifiers() -> list[tuple[int, str, re.Pattern[str], str | None]]:
+def _classifiers() -> list[tuple[int, str, vllm_log.DeferredPattern, str | None]]:
     """(index, kind, pattern, first word or None) in the order classify_message tries them."""
     by_word = [(i, k, p, vllm_log._first_word(p.pattern)) for i, (k, p, _c) in enumerate(vllm_log._CLASSIFIERS)]
     return [c for c in by_word if c[3] is not None] + [c for c in by_word if c[3] is None]
@@ -688,8 +688,8 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
                      all_ascii: bool = False) -> str:
     """The statement that makes ``vl`` from vl_head (see parse_vllm_sql); without ``fast`` every kind is matched
     and its groups read by its whole pattern (no group cut by position: the forms the tests compare)."""
-    classes = [c for c in _classifiers() if (c[1] in _VLLM_FIELDS or c[1] == "aborted")
-               and (words is None or c[3] is None or c[3] in words)]
+    classes = [(i, kind, regex.compiled, first) for i, kind, regex, first in _classifiers()
+               if (kind in _VLLM_FIELDS or kind == "aborted") and (words is None or first is None or first in words)]
 
     def rx(fn: str, regex: re.Pattern[str], *args: str) -> str:
         return _vllm_rx(fn, "msg", regex, *args, ascii_flag="a", ascii_branch=ascii_branch, all_ascii=all_ascii)

@@ -275,7 +275,7 @@ def test_non_ascii_lines_take_the_unicode_patterns(tmp_path: Path) -> None:
     got = con.execute("SELECT kind, request_id FROM vl ORDER BY n").fetchall()
     assert got == [(k, r) for r in ids for k in ("received_request", "skip_remote_pull")]
     # the control: RE2 reads the pattern as written in ASCII, so on these lines only the Unicode form matches
-    received = next(p for k, p, _c in ep.vllm_log._CLASSIFIERS if k == "received_request")
+    received = next(p.compiled for k, p, _c in ep.vllm_log._CLASSIFIERS if k == "received_request")
     as_written = con.execute("SELECT regexp_matches($t, $p), regexp_matches($t, $u)",
                              {"t": "Received request chatcmpl-é1: params", "p": received.pattern,
                               "u": ep._re2(received)}).fetchall()[0]

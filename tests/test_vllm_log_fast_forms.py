@@ -47,7 +47,7 @@ def _differences(lines: list[bytes], fast_sql: str | None = None) -> list[tuple[
 def test_fast_forms_are_in_use() -> None:
     sql = ep.vllm_records_sql()
     assert sql != ep.vllm_records_sql(fast=False)
-    kinds = {k for k, regex, _c in vllm_log._CLASSIFIERS if ep.rest_prefix(regex) is not None}
+    kinds = {k for k, regex, _c in vllm_log._CLASSIFIERS if ep.rest_prefix(regex.compiled) is not None}
     assert {"nixl_failure", "kv_load_failed"} <= kinds
 
 
