@@ -14,7 +14,8 @@ from collections.abc import Collection
 from typing import Final
 
 from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion
-from kvdiag.diagnostics.engine_parse import VLLM_COLUMNS, sql_str
+from kvdiag.diagnostics.engine_parse import EVENT_FIELDS, VLLM_COLUMNS, sql_str
+from kvdiag.diagnostics.event_table_columns import EVENT_TABLE_COLUMNS
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
 # TurnRecord fields taken from the first event that states them (client, then router, then P).
@@ -50,10 +51,12 @@ _TEV_COLUMNS: Final = tuple(dict.fromkeys(("f", "n", "ts", "status", "http_statu
                                            *EVENT_NUMBERS)))
 
 
-def facts_sql(vl_kinds: Collection[str] | None = None) -> list[str]:
-    """The statements that build ``turn_facts`` (after engine_join); ``vl_kinds``: the kinds ``vl`` holds, when
-    known (a fact that only lines of other kinds give is left out of the pass over the lines)."""
+def facts_sql(vl_kinds: Collection[str] | None = None, event_columns: Collection[str] | None = None) -> list[str]:
+    """The statements that build ``turn_facts`` (after engine_join); ``vl_kinds``: the kinds ``vl`` holds, and
+    ``event_columns``: the event fields some event sets, when known (a fact that only lines of other kinds, or
+    only fields no event sets, could give is left out of the pass over the lines or the events)."""
     cols = ", ".join(f"e.{c}" for c in _TEV_COLUMNS)
+    unset = frozenset() if event_columns is None else frozenset(EVENT_FIELDS).difference(event_columns)
     return [
         # turns with more than one client or router event, or with engine events (few): their events are
         # aggregated; the others pair their client and router event by a join (ev_facts). So are the turns of a
@@ -74,7 +77,7 @@ def facts_sql(vl_kinds: Collection[str] | None = None) -> list[str]:
              (CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END::BIGINT << 58) + {REF.replace('f', 'e.f').replace(
                  '+ n', '+ e.n')}
            FROM eng_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)"""),
-        _ev_facts_sql(cols),
+        _ev_facts_sql(cols, unset),
         # the deciding event: a paired turn's is in ev_facts already (its dec_ columns, dropped after)
         EventsOnly(f"""CREATE TEMP TABLE decider AS
            WITH pick AS (SELECT sid, eng_os, CASE
@@ -193,30 +196,50 @@ def _ev_order(source: str) -> str:
 _DEC_COLUMNS: Final = ("dec_verdict", "dec_reason", "dec_ft", "dec_ref")
 
 
-def _ev_facts_sql(cols: str) -> str:
+# a conjunct that no event with the column NULL meets: it compares the column or requires it to be set
+_NEEDS_COLUMN: Final = re.compile(r"(\w+) (?:IS NOT NULL$|= |<> |IN \()")
+
+
+def _never_set(value: str, where: str, unset: Collection[str]) -> bool:
+    """Whether a first/last fact is NULL for every turn when the ``unset`` columns are NULL in every event: its
+    value is one of them, or a conjunct of its condition needs one (a condition with OR is not looked into)."""
+    if value in unset:
+        return True
+    if " OR " in where:
+        return False
+    return any((m := _NEEDS_COLUMN.match(c)) is not None and m.group(1) in unset for c in where.split(" AND "))
+
+
+def _ev_facts_sql(cols: str, unset: Collection[str] = frozenset()) -> str:
     """``ev_facts``: aggregated over the events of the turns in ``tev_multi``; for every other turn (at most one
     client and one router event) the client's row joined to the router's, which gives the same values: the
-    client's event comes first in ``o``, and arg_min/arg_max skip NULL values as the CASE below does."""
-    specs = _ev_fact_specs()
+    client's event comes first in ``o``, and arg_min/arg_max skip NULL values as the CASE below does. A fact
+    only fields no event sets (``unset``) could give is NULL, unbound: binding fifty aggregates costs a
+    conversation's run 20 ms, and aggregating them a gigabyte of events two seconds."""
+    # (typed as a run that binds every fact types it; a fact the generated columns do not hold yet is bound)
+    types = dict(EVENT_TABLE_COLUMNS.get("ev_facts", ()))
+    specs = [(c, "null" if how != "any" and c in types and _never_set(v, w, unset) else how, v, w)
+             for c, how, v, w in _ev_fact_specs()]
     agg = {"first": "arg_min({v}, o) FILTER (WHERE {w})", "last": "arg_max({v}, o) FILTER (WHERE {w})",
-           "any": "bool_or({w})"}
-    aggregated = ",\n  ".join(agg[how].format(v=v, w=w) + f" AS {c}" for c, how, v, w in specs)
+           "any": "bool_or({w})", "null": "NULL::{t}"}
+    aggregated = ",\n  ".join(agg[how].format(v=v, w=w, t=types.get(c)) + f" AS {c}" for c, how, v, w in specs)
 
     def per_row(grp: int) -> str:
         # a side carries only the columns its events can set (the others are NULL, or false: pair_value)
         return ", ".join(f"{w} AS {c}" if how == "any" else f"CASE WHEN {w} THEN {v} END AS {c}"
-                         for c, how, v, w in specs if _grp_holds(w, grp))
+                         for c, how, v, w in specs if how != "null" and _grp_holds(w, grp))
 
     def pair_value(side: str, grp: int, c: str, how: str, w: str) -> str:
-        if _grp_holds(w, grp):
+        if how != "null" and _grp_holds(w, grp):
             return f"{side}.{c}"
         return f"CASE WHEN {side}.sid IS NOT NULL THEN false END" if how == "any" else "NULL"
 
     pair = {"first": "coalesce({c}, {r})", "last": "coalesce({r}, {c})",
             # bool_or: NULL when no row says true or false
-            "any": "CASE WHEN {c} IS NOT NULL OR {r} IS NOT NULL THEN coalesce({c}, false) OR coalesce({r}, false) END"}
-    paired = ",\n  ".join(pair[how].format(c=pair_value("c", 0, c, how, w), r=pair_value("r", 1, c, how, w))
-                           + f" AS {c}" for c, how, _v, w in specs)
+            "any": "CASE WHEN {c} IS NOT NULL OR {r} IS NOT NULL THEN coalesce({c}, false) OR coalesce({r}, false) END",
+            "null": "NULL::{t}"}
+    paired = ",\n  ".join(pair[how].format(c=pair_value("c", 0, c, how, w), r=pair_value("r", 1, c, how, w),
+                                           t=types.get(c)) + f" AS {c}" for c, how, _v, w in specs)
     # the events of a paired turn straight from ev (tev_r holds only the aggregated turns' events)
     side = ("SELECT sid, {per_row}, outcome AS d_outcome, reason AS d_reason, failure_type AS d_ft, "
             "(f::BIGINT << 40) + n AS d_ref FROM (SELECT {cols}, s.sid, {grp} AS grp, {o} AS o "
@@ -227,8 +250,13 @@ def _ev_facts_sql(cols: str) -> str:
     r_side = side.format(per_row=per_row(1), cols=cols, grp=1, o=_ev_order("e.source"), op="<>",
                          kind="(pass = 0 OR pass IS NULL)")
     # decider's choice for such a turn: the router's outcome unless unknown, else the client's
-    dec = ("CASE WHEN r.r_first IS NOT NULL AND r.r_outcome <> 'unknown' THEN r.{d} "
-           "WHEN c.c_first IS NOT NULL THEN c.{d} END")
+    unbound = {c for c, how, _v, _w in specs if how == "null"}
+
+    def fact(side: str, c: str) -> str:
+        return "NULL" if c in unbound else f"{side}.{c}"
+
+    dec = (f"CASE WHEN {fact('r', 'r_first')} IS NOT NULL AND {fact('r', 'r_outcome')} <> 'unknown' THEN r.{{d}} "
+           f"WHEN {fact('c', 'c_first')} IS NOT NULL THEN c.{{d}} END")
     decs = ", ".join(dec.format(d=d) + f" AS {c}" for d, c in zip(("d_outcome", "d_reason", "d_ft", "d_ref"),
                                                                     _DEC_COLUMNS, strict=True))
     pairs = f"""WITH c AS ({c_side}), r AS ({r_side})

@@ -86,6 +86,7 @@ def generate() -> dict[str, tuple[tuple[str, str], ...]]:
     columns: dict[str, tuple[tuple[str, str], ...]] = {}
     with engine.opened([]) as run:
         engine.parse(run)
+        run.event_columns = None  # (every fact bound: the tables get the types the facts have)
         for sql in engine.decide_statements(run):
             run.con.execute(sql)
             name = created_table(sql) if isinstance(sql, EventsOnly) else None

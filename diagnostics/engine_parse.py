@@ -289,12 +289,12 @@ CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latenc
                          "input_num_turns", "input_num_tokens", "output_num_tokens", "turn", "request_id", "sub")
 
 
-def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: LineStats) -> None:
+def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: LineStats) -> list[str]:
     """The JSON lines the SQL checks did not vouch for, read by json_logs: records go into ev / cs,
-    corrupt lines into the counts and notes."""
+    corrupt lines into the counts and notes. Returns the event columns they set that no SQL-read line had."""
     odd = con.execute("SELECT f, n, line FROM json_odd ORDER BY f, n").fetchall()
     if not odd:
-        return
+        return []
     events: list[tuple[object, ...]] = []
     stats_rows: list[tuple[object, ...]] = []
     by_file: dict[int, list[tuple[int, str]]] = {}
@@ -320,14 +320,14 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
                 stats_rows.append((f, rec.lineno, rec.text, rec.conversation_id, rec.ttft_ms, rec.latency_ms,
                                    rec.start_time_ms, rec.input_num_turns, rec.input_num_tokens,
                                    rec.output_num_tokens, rec.turn, rec.request_id, sub))
-    _append_events(con, events)
     _append_rows(con, "cs", CS_ROW_COLUMNS, stats_rows)
+    return _append_events(con, events)
 
 
-def _append_events(con: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]) -> None:
-    """Rows of EV_ROW_COLUMNS into ev_t, which gets the columns they set that no SQL-read line had."""
+def _append_events(con: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]) -> list[str]:
+    """Rows of EV_ROW_COLUMNS into ev_t, which gets the columns they set that no SQL-read line had (returned)."""
     if not rows:
-        return
+        return []
     have = [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'ev_t' "
                                       "ORDER BY column_index").fetchall()]
     new = [c for i, c in enumerate(EV_ROW_COLUMNS) if c not in have and any(r[i] is not None for r in rows)]
@@ -337,6 +337,7 @@ def _append_events(con: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]
         con.execute(ev_view_sql([*have, *new]))
     keep = [i for i, c in enumerate(EV_ROW_COLUMNS) if c in have or c in new]
     _append_rows(con, "ev_t", tuple(EV_ROW_COLUMNS[i] for i in keep), [tuple(r[i] for i in keep) for r in rows])
+    return new
 
 
 def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str, ...],

@@ -91,6 +91,8 @@ class Run:
     side_markers: dict[int, tuple[str, ...]] = field(default_factory=dict)
     few_rows: bool = False  # set by use_few_rows
     documents: bool = False  # add_document wrote cs_doc (a catalog lookup costs a conversation's run 11 ms)
+    # the event fields some event line sets (parse learns them; the others are NULL in every event)
+    event_columns: frozenset[str] | None = None
 
     @property
     def paths(self) -> dict[int, str]:
@@ -429,7 +431,8 @@ def parse(run: Run) -> None:
     # (a few lines: only the proxy classifiers one of them can match; RE2 compiles each pattern at every run)
     proxy = [ln for (ln,) in run.con.execute("SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()
              ] if run.few_rows else None
-    for q in (*ep.parse_events_sql(ep.event_fields(run.con), stats=stats), *ep.parse_proxy_sql(proxy)):
+    fields = ep.event_fields(run.con)
+    for q in (*ep.parse_events_sql(fields, stats=stats), *ep.parse_proxy_sql(proxy)):
         execute(run, q)
     if not run.few_rows:
         for q in ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii):
@@ -441,7 +444,7 @@ def parse(run: Run) -> None:
     execute(run, ep.vllm_records_sql(words, ascii_branch=many, all_ascii=all_ascii))
     if run.documents:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
-    ep.read_odd_json(run.con, run.paths, run.stats)
+    run.event_columns = frozenset((*fields, *ep.read_odd_json(run.con, run.paths, run.stats)))
     if not run.evidence:  # (only an evidence text reads a JSON line again: its memory goes for the joins)
         run.con.execute("DROP TABLE lines_json")
 
@@ -589,7 +592,7 @@ _TURN_VIEW: Final = re.compile(r"^CREATE TEMP VIEW (turn_facts|tf) AS\b")
 def decide_statements(run: Run) -> list[str]:
     """The statements that correlate the records and collect the facts (after parse)."""
     kinds = [k for (k,) in run.con.execute("SELECT DISTINCT kind FROM vl WHERE kind IS NOT NULL").fetchall()]
-    return [*join_sql(run.only), *facts_sql(kinds), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL]
+    return [*join_sql(run.only), *facts_sql(kinds, run.event_columns), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL]
 
 
 def use_few_rows(run: Run) -> None:
