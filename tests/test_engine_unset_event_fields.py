@@ -25,6 +25,8 @@ from kvdiag.diagnostics.event_table_columns import EVENT_TABLE_COLUMNS
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
 from kvdiag.diagnostics.turn_loader import run_all
 
+_READ_ODD_JSON = verdict_engine.ep.read_odd_json
+
 # fields the synthetic events may lose (the keys every event needs stay)
 _DROPPABLE = ("completion_tokens", "computed_tokens", "duration_ms", "gap_s", "handle_tokens", "local_hit_tokens",
               "model", "prefill_ms", "reason", "remote_offered_tokens", "remote_read_tokens", "reuse_limit_tokens",
@@ -110,3 +112,29 @@ def test_unbound_facts_keep_the_types_bound_ones_have(tmp_path: Path) -> None:
         run.con.close()
     want = dict(EVENT_TABLE_COLUMNS["ev_facts"])
     assert len(got) > 20 and got == {c: want[c] for c in got}
+
+
+def test_a_field_only_lines_python_reads_set_is_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every event loses ttft_ms but one client event, written as a JSON array (json_logs reads such a line, not
+    # the SQL): its field comes to the engine after the SQL's own reading
+    files = _synthetic(tmp_path / "logs", 6)
+    client = Path(files[0])
+    lines = client.read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    for ev in events:
+        ev.pop("ttft_ms", None)
+    events[-1]["ttft_ms"] = 123.0
+    client.write_text("".join(json.dumps(ev) + "\n" for ev in events[:-1]) + json.dumps([events[-1]]) + "\n")
+    run = run_all(detect(files), windows=False)
+    try:
+        assert run.event_columns is not None and "ttft_ms" in run.event_columns
+    finally:
+        run.con.close()
+    narrowed = _turns(files)
+    assert any(t["ttft_ms"] == 123.0 for c in narrowed for t in c["turns"])
+    _with_fields(monkeypatch, lambda cols: None)
+    assert _turns(files) == narrowed
+    # negative control: the fields the JSON array set, not noted, lose its ttft_ms
+    monkeypatch.undo()
+    monkeypatch.setattr(verdict_engine.ep, "read_odd_json", lambda *a: (_READ_ODD_JSON(*a), [])[1])
+    assert _turns(files) != narrowed
