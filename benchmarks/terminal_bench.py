@@ -68,7 +68,8 @@ def main() -> None:
         turn = pool[i % len(pool)]
         long.turns.append(type(turn)(**{**turn.__dict__, "conversation_id": long.conversation_id, "turn": i + 1}))
     print(json.dumps({"machine": f"{platform.machine()}, Python {platform.python_version()}"}))
-    for row in (_compare(f"explain --all, {len(convs):,} conversations", lambda: explain_all_renderables(convs),
+    summaries = [c.summary() for c in convs]
+    for row in (_compare(f"explain --all, {len(convs):,} conversations", lambda: explain_all_renderables(summaries),
                          args.repeat),
                 _compare(f"explain --conversation, {args.turns} turns",
                          lambda: explain_renderables(long, width=WIDTH), args.repeat)):

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from rich.console import Console, Group
 
-from kvdiag.diagnostics.records import TurnRecord
+from kvdiag.diagnostics.records import ConversationRecord, ConversationSummary, TurnRecord
 from kvdiag.diagnostics.terminal import explain_all_renderables, explain_renderables
 from kvdiag.diagnostics.terminal_safe import printable, safe_console
 from kvdiag.diagnostics.turn_loader import (
@@ -20,6 +20,7 @@ from kvdiag.diagnostics.turn_loader import (
     UnreadableLogError,
     explain_conversation,
     load_turns,
+    summarize_conversations,
 )
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024  # a bar only when the run is long enough to need one
@@ -92,14 +93,19 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
     err = safe_console(stderr=True)
     bar, update = _progress_fn(err, not no_progress and sys.stderr.isatty())
     stats = LineStats()
+    convs: list[ConversationRecord] = []
+    summaries: list[ConversationSummary] = []
     try:
         if bar is not None:
             bar.start()
         try:
             if conversation_id:
                 convs = [explain_conversation(logs, conversation_id, progress=update, stats=stats)]
-            else:
+            elif as_json or html_path:
                 convs = load_turns(logs, progress=update, stats=stats)
+                summaries = [c.summary() for c in convs]
+            else:  # the list needs each turn's verdict only: no record, reason or evidence is built
+                summaries = summarize_conversations(logs, progress=update, stats=stats)
         finally:
             if bar is not None:
                 bar.stop()
@@ -114,7 +120,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
                                    ) from None
     _note_corrupt(stats)
     _note_unrecognised(stats)
-    if not conversation_id and not convs:
+    if not conversation_id and not summaries:
         click.echo("Error: no conversations found in the logs given. Pass the client, router/proxy, prefill and "
                    "decode logs (files, globs or a folder); docs/verdicts.md lists the formats read.", err=True)
         sys.exit(2)
@@ -142,7 +148,7 @@ def explain(logs: tuple[str, ...], conversation_id: str | None, all_conversation
                                "conversations": [c.to_json_dict() for c in convs]}, indent=2))
         return
     out = output_console(width, wide)
-    for part in explain_all_renderables(convs, wide=wide):
+    for part in explain_all_renderables(summaries, wide=wide):
         out.print(part)
 
 

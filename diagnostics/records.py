@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvdiag.schema.verdicts import Confidence, Verdict
+from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,25 @@ class ConversationRecord:
             "turns": [t.to_json_dict() for t in self.turns],
             "missing_sources": list(self.missing_sources),
         }
+
+    def summary(self) -> ConversationSummary:
+        """What explain --all lists of it."""
+        return ConversationSummary(self.conversation_id, tuple(t.turn for t in self.turns),
+                                   tuple(t.verdict for t in self.turns))
+
+
+@dataclass(frozen=True)
+class ConversationSummary:
+    """One conversation as explain --all lists it: its turns' numbers and verdicts, in order."""
+
+    conversation_id: str
+    turns: tuple[int, ...]
+    verdicts: tuple[Verdict, ...]
+
+    @property
+    def severity(self) -> tuple[int, int, str]:
+        """Sort key, worst first: more turns that could have reused KV and did not, then more undecided turns."""
+        bad = sum(1 for v in self.verdicts if v in VERDICT_INFO and VERDICT_INFO[v].eligible
+                  and not VERDICT_INFO[v].reused)
+        unknown = sum(1 for v in self.verdicts if v is Verdict.UNKNOWN)
+        return (-bad, -unknown, self.conversation_id)

@@ -29,7 +29,7 @@ from kvdiag.diagnostics.humanize import (
     human_ms,
     human_share,
 )
-from kvdiag.diagnostics.records import ConversationRecord, TurnRecord
+from kvdiag.diagnostics.records import ConversationRecord, ConversationSummary, TurnRecord
 from kvdiag.diagnostics.terminal_safe import safe_console
 from kvdiag.diagnostics.terminal_table import QuickTable, quick
 from kvdiag.schema.verdicts import TRIM_INFO, Confidence, TrimInfo, TrimReason
@@ -281,9 +281,9 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec else str(value)
 
 
-def explain_all_renderables(convs: Sequence[ConversationRecord], *, wide: bool = False) -> list[RenderableType]:
-    """Every conversation: the verdict counts, then one row per conversation, worst first."""
-    counts = Counter(t.verdict.value for c in convs for t in c.turns)
+def explain_all_renderables(convs: Sequence[ConversationSummary], *, wide: bool = False) -> list[RenderableType]:
+    """Every conversation (in the order given: worst first): the verdict counts, then one row per conversation."""
+    counts = Counter(v.value for c in convs for v in c.verdicts)
     summary = compact_table("verdict counts") if not wide else Table(title="verdict counts")
     summary.add_column("verdict", no_wrap=True)
     summary.add_column("turns", justify="right", no_wrap=True)
@@ -296,9 +296,9 @@ def explain_all_renderables(convs: Sequence[ConversationRecord], *, wide: bool =
     table.add_column("verdicts", overflow="fold")
     for c in convs:
         if wide:
-            verdicts = " ".join(f"{t.turn}:{t.verdict.value}" for t in c.turns)
+            verdicts = " ".join(f"{turn}:{v.value}" for turn, v in zip(c.turns, c.verdicts, strict=True))
         else:  # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
-            verdicts = " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(t.verdict.value for t in c.turns))
+            verdicts = " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(v.value for v in c.verdicts))
         table.add_row(Text(c.conversation_id), cell(str(len(c.turns))), Text(verdicts))
     return quick([summary, table])
 

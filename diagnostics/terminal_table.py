@@ -156,19 +156,37 @@ def _render(table: Table, console: Console, options: ConsoleOptions, widths: lis
             rendered.append((lines, pad, style))
         height = max(len(lines) for lines, _, _ in rendered)
         for line_no in range(height):
+            out: list[Segment] = []
             for i, (lines, pad, style) in enumerate(rendered):
                 content = widths[i] - pad
                 # (rows align their cells at the top, the header at the bottom)
                 at = line_no - (height - len(lines)) if index == 0 else line_no
-                yield from lines[at] if 0 <= at < len(lines) else [Segment(" " * content, style)]
+                out += lines[at] if 0 <= at < len(lines) else [Segment(" " * content, style)]
                 if pad:
-                    yield Segment(" " * pad, style)
+                    out.append(Segment(" " * pad, style))
                 if i != last:
-                    yield Segment(divider, border)
+                    out.append(Segment(divider, border))
+            yield from _merged(out)
             yield Segment.line()
         if index == 0:
             yield Segment(box.get_row(widths, "head", edge=False), border)
             yield Segment.line()
+
+
+def _merged(line: list[Segment]) -> Iterator[Segment]:
+    """A line's runs of one style as one segment each (a null style as none): the console handles each segment
+    it is given, which costs more than laying the row out."""
+    texts: list[str] = []
+    style: Style | None = None
+    for seg in line:
+        this = seg.style or None
+        if texts and this != style:
+            yield Segment("".join(texts), style)
+            texts = []
+        style = this
+        texts.append(seg.text)
+    if texts:
+        yield Segment("".join(texts), style)
 
 
 def quick(tables: Sequence[RenderableType]) -> list[RenderableType]:

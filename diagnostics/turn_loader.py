@@ -17,6 +17,7 @@ import contextlib
 import gc
 import importlib
 import itertools
+import operator
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +28,7 @@ from kvdiag.diagnostics.detect import LogFile, LogReadError, detect, open_binary
 from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
 from kvdiag.diagnostics.json_logs import ClientStat, parse_json_document
 from kvdiag.diagnostics.linestats import LineStats
-from kvdiag.diagnostics.records import ConversationRecord, Evidence, TurnRecord
+from kvdiag.diagnostics.records import ConversationRecord, ConversationSummary, Evidence, TurnRecord
 from kvdiag.diagnostics.scan import grep_regex, is_json_document
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.schema.errors import KVDiagError
@@ -172,10 +173,27 @@ def load_turns(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None 
 
 
 def _severity(conv: ConversationRecord) -> tuple[int, int, str]:
-    bad = sum(1 for t in conv.turns if t.verdict in VERDICT_INFO and VERDICT_INFO[t.verdict].eligible
-              and not VERDICT_INFO[t.verdict].reused)
-    unknown = sum(1 for t in conv.turns if t.verdict is Verdict.UNKNOWN)
-    return (-bad, -unknown, conv.conversation_id)
+    return conv.summary().severity
+
+
+def summarize_conversations(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None = None, *,
+                            stats: LineStats | None = None) -> list[ConversationSummary]:
+    """Every conversation's turn numbers and verdicts, worst first: what :func:`load_turns` gives, less each
+    turn's numbers, reason and evidence (none of which are read or built, so this takes far less time)."""
+    with staged_inputs(paths) as staged:
+        inner = LineStats()
+        files = _detect(staged.paths, inner)
+        run = run_all(files, progress, evidence=False)
+        try:
+            inner.merge(run.stats)
+            rows = run.con.execute("SELECT conversation_id, list(turn ORDER BY pos), list(verdict ORDER BY pos) "
+                                   "FROM decided GROUP BY conversation_id").fetchall()
+        finally:
+            run.con.close()
+        _merge_stats(stats, staged, inner)
+    summaries = [ConversationSummary(conv, tuple(turns), tuple(map(_VERDICTS.__getitem__, verdicts)))
+                 for conv, turns, verdicts in rows]
+    return sorted(summaries, key=operator.attrgetter("severity"))
 
 
 _VERDICTS: Final = {v.value: v for v in Verdict}

@@ -121,7 +121,7 @@ def test_the_split_check_catches_the_full_table() -> None:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_explain_all_keeps_verdicts_whole(width: int) -> None:
     convs = [_conversation(), *synthetic_conversations(SynthParams(conversations=5, seed=3))]
-    text = render_text(explain_all_renderables(convs), width)
+    text = render_text(explain_all_renderables([c.summary() for c in convs]), width)
     _assert_fits(text, width)
     assert not _split_tokens(text, sorted({t.verdict.value for c in convs for t in c.turns}))
 

@@ -56,7 +56,7 @@ def test_explain_output_holds_no_control_character() -> None:
     conv = _conversation()
     for width in (80, 120):
         for renderables in (explain_renderables(conv, width=width), explain_renderables(conv, width=width, wide=True),
-                            explain_all_renderables([conv])):
+                            explain_all_renderables([conv.summary()])):
             text = render_text(renderables, width)
             assert not CONTROL.search(text), repr(text)
             assert SHOWN_AS in text and "PWNED" in text  # (shown, not dropped)
