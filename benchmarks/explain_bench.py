@@ -3,9 +3,11 @@
 * one conversation: ``explain_conversation`` in this process, and ``kvdiag explain DIR --conversation ID``
   as a subprocess (interpreter start included), vs ``grep -F <id> FILES`` (target: ≤ 2× in wall time
   and in CPU);
-* every conversation: ``load_turns`` (what ``explain --all`` prints from) vs DuckDB ``read_csv`` of every
-  line of the same files, counted (``count(*)``, the baseline of the earlier figures) and materialized
-  (``CREATE TABLE``, report_bench.py's baseline) (target: ≤ 2×).
+* every conversation: ``summarize_conversations`` (what ``explain --all`` lists), ``load_turns`` (every record:
+  what ``explain --all --json`` and ``--html`` read) and the CLI ``kvdiag explain DIR --all`` as a subprocess
+  (printing into a pipe included) vs DuckDB ``read_csv`` of every line of the same files, counted (``count(*)``,
+  the baseline of the earlier figures) and materialized (``CREATE TABLE``, report_bench.py's baseline)
+  (target: ≤ 2×).
 Files are read once first so every contender runs on a warm page cache. Rounds are interleaved (the
 baseline, then kvdiag, back to back); each figure is the median over ``--repeat`` rounds, and the ratio
 is taken per round, then the median (CPU: this process's threads + its children, grep and the CLI).
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from installed_bytecode import compile_package
 
-from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns
+from kvdiag.diagnostics.turn_loader import explain_conversation, load_turns, summarize_conversations
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -52,6 +54,11 @@ def _cli(data: Path, conversation_id: str, tree: Path | None = None) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
     subprocess.run([str(exe), "explain", str(data), "--conversation", conversation_id, "--no-progress"],
                    stdout=subprocess.PIPE, check=True, env=env)
+
+
+def _cli_all(data: Path) -> None:
+    exe = Path(sys.executable).with_name("kvdiag")
+    subprocess.run([str(exe), "explain", str(data), "--all", "--no-progress"], stdout=subprocess.PIPE, check=True)
 
 
 def _grep(files: list[str], needle: str) -> None:
@@ -104,17 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
 
     def interleaved(case: str, baselines: dict[str, Callable[[], object]], ours_fn: Callable[[], object],
-                    other: tuple[str, Callable[[], object]] | None = None) -> None:
+                    *others: tuple[str, Callable[[], object]]) -> None:
+        """Time the baselines, ``ours_fn`` (``case``) and each of ``others`` (case, function) in the same rounds."""
         base_runs: dict[str, list[tuple[float, float]]] = {name: [] for name in baselines}
-        our_runs, other_runs = [], []
+        our_runs: list[tuple[float, float]] = []
+        other_runs: list[list[tuple[float, float]]] = [[] for _ in others]
         for _ in range(args.repeat):
             for name, fn in baselines.items():
                 base_runs[name].append(_timed(fn))
             our_runs.append(_timed(ours_fn))
-            if other is not None:
-                other_runs.append(_timed(other[1]))
-        if other is not None:
-            record(f"{case}, {other[0]}", base_runs, other_runs)
+            for (_name, fn), runs in zip(others, other_runs, strict=True):
+                runs.append(_timed(fn))
+        for (name, _fn), runs in zip(others, other_runs, strict=True):
+            record(name, base_runs, runs)
         record(case, base_runs, our_runs)
 
     def record(case: str, base_runs: dict[str, list[tuple[float, float]]], our_runs: list[tuple[float, float]]
@@ -142,15 +151,20 @@ def main(argv: list[str] | None = None) -> int:
                 interleaved(f"one conversation ({conv}), {label}", {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)},
                             lambda c=conv, d=folder: explain_conversation([str(d)], c))
                 tree = args.compare_tree
-                interleaved(f"CLI `kvdiag explain --conversation {conv}`, {label}",
-                            {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)}, lambda c=conv, d=folder: _cli(d, c),
-                            None if tree is None else
-                            (f"code from {tree}", lambda c=conv, d=folder, t=tree: _cli(d, c, t)))
+                case = f"CLI `kvdiag explain --conversation {conv}`, {label}"
+                interleaved(case, {"grep -F": lambda c=conv, fl=fl: _grep(fl, c)}, lambda c=conv, d=folder: _cli(d, c),
+                            *(() if tree is None else
+                              ((f"{case}, code from {tree}", lambda c=conv, d=folder, t=tree: _cli(d, c, t)),)))
         if not args.skip_all:
             for label, folder, fl in sets:
-                interleaved(f"--all, {label}", {"DuckDB read_csv count(*)": lambda fl=fl: _duckdb_scan(fl),
-                                                "DuckDB read_csv CREATE TABLE": lambda fl=fl: _duckdb_table(fl)},
-                            lambda d=folder: load_turns([str(d)]))
+                interleaved(f"--all list (`summarize_conversations`), {label}",
+                            {"DuckDB read_csv count(*)": lambda fl=fl: _duckdb_scan(fl),
+                             "DuckDB read_csv CREATE TABLE": lambda fl=fl: _duckdb_table(fl)},
+                            lambda d=folder: summarize_conversations([str(d)]),
+                            (f"--all, every record (`load_turns`: --json, --html), {label}",
+                             lambda d=folder: load_turns([str(d)])),
+                            (f"CLI `kvdiag explain --all` (printed into a pipe), {label}",
+                             lambda d=folder: _cli_all(d)))
     doc = {"data": str(args.data), "bytes": size, "files": len(files), "cpus": os.cpu_count(),
            "python": platform.python_version(), "load_average": os.getloadavg(), "rows": rows}
     print(json.dumps(doc, indent=2))
