@@ -61,9 +61,18 @@ def _handled(table: Table) -> bool:
                 and all(isinstance(x, Text) and x.justify in (None, *_JUSTIFY) for x in c.cells) for c in columns))
 
 
+def _width(plain: str) -> int:
+    """Cells of a line of text, as rich counts them (printable ASCII: one a character, which rich takes longer
+    to find out)."""
+    return len(plain) if plain.isascii() and plain.isprintable() else cell_len(plain)
+
+
 def _measure(text: Text) -> tuple[int, int]:
     """(minimum, maximum) width of a cell's text, as rich measures a Text."""
     plain = text.plain
+    if plain.isascii() and plain.isprintable():  # (one line, one cell a character)
+        words = plain.split()
+        return (max(map(len, words)) if words else len(plain)), len(plain)
     lines = plain.splitlines()
     widest = max((cell_len(line) for line in lines), default=0)
     words = plain.split()
@@ -97,17 +106,17 @@ def _lines(console: Console, text: Text, width: int, justify: Any, overflow: Any
                           no_wrap=text.no_wrap if text.no_wrap is not None else no_wrap))
 
 
-def _fits(text: Text, width: int) -> bool:
-    """A text that wrapping leaves as it is: one line, no tab, no trailing space, within ``width``."""
-    plain = text.plain
-    return bool(plain) and "\n" not in plain and "\t" not in plain and not plain[-1].isspace() \
-        and text.cell_len <= width
+def _fits(plain: str, cells: int, width: int) -> bool:
+    """A text (``plain``, ``cells`` wide) that wrapping leaves as it is: one line, no tab, no trailing space,
+    within ``width``."""
+    return bool(plain) and "\n" not in plain and "\t" not in plain and not plain[-1].isspace() and cells <= width
 
 
 def _cell(console: Console, text: Text, width: int, style: Style, column: Any) -> list[list[Segment]]:
     """A cell's lines, each exactly ``width`` cells wide, in the cell's style under the text's own."""
-    if _fits(text, width):  # (most cells: Text.wrap is nine tenths of a row's cost)
-        short = width - text.cell_len
+    cells = _width(text.plain)
+    if _fits(text.plain, cells, width):  # (most cells: Text.wrap is nine tenths of a row's cost)
+        short = width - cells
         plain = [Segment(text.plain, style or None)] if not text.spans and not text.style else \
             list(Segment.apply_style(Text().append(text).render(console), style))
         if (text.justify or column.justify) == "right":
