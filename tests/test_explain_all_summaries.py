@@ -72,9 +72,10 @@ def test_the_comparison_sees_one_changed_verdict(generated: list[str]) -> None:
     assert changed != _from_records(generated)
 
 
-def test_the_cli_prints_the_same_list_either_way(generated: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("view", [[], ["--wide"]], ids=["compact", "wide"])
+def test_the_cli_prints_the_same_list_either_way(generated: list[str], tmp_path: Path, view: list[str]) -> None:
     # --html needs every record (the timeline draws them), so it lists from the records: the same text
-    args = ["explain", *generated, "--all", "--no-progress", "--width", "120"]
+    args = ["explain", *generated, "--all", "--no-progress", "--width", "120", *view]
     lean = CliRunner().invoke(cli, args)
     full = CliRunner().invoke(cli, [*args, "--html", str(tmp_path / "t.html")])
     assert lean.exit_code == 0 and full.exit_code == 0, (lean.output, full.output)
