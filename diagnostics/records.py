@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
 
@@ -124,7 +124,9 @@ class ConversationSummary:
     @property
     def severity(self) -> tuple[int, int, str]:
         """Sort key, worst first: more turns that could have reused KV and did not, then more undecided turns."""
-        bad = sum(1 for v in self.verdicts if v in VERDICT_INFO and VERDICT_INFO[v].eligible
-                  and not VERDICT_INFO[v].reused)
-        unknown = sum(1 for v in self.verdicts if v is Verdict.UNKNOWN)
-        return (-bad, -unknown, self.conversation_id)
+        verdicts = self.verdicts
+        return (-sum(map(_MISSED.__contains__, verdicts)), -verdicts.count(Verdict.UNKNOWN), self.conversation_id)
+
+
+# the verdicts of turns that could have reused KV and did not
+_MISSED: Final = frozenset(v for v, info in VERDICT_INFO.items() if info.eligible and not info.reused)
