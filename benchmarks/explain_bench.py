@@ -48,17 +48,14 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
 
 # Both write their output into a pipe this process reads, as a person reading it would: GNU grep writing to
 # /dev/null stops reading each file at its first match (it knows nobody sees the lines), which no real use gets.
-def _cli(data: Path, conversation_id: str, tree: Path | None = None) -> None:
+def _cli(data: Path, conversation_id: str | None, tree: Path | None = None) -> None:
+    """``kvdiag explain DATA`` for one conversation, or ``--all`` (``conversation_id`` None)."""
     exe = Path(sys.executable).with_name("kvdiag")
     # (tree: another checkout's code, e.g. the commit before a change, imported as kvdiag through PYTHONPATH)
     env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
-    subprocess.run([str(exe), "explain", str(data), "--conversation", conversation_id, "--no-progress"],
-                   stdout=subprocess.PIPE, check=True, env=env)
-
-
-def _cli_all(data: Path) -> None:
-    exe = Path(sys.executable).with_name("kvdiag")
-    subprocess.run([str(exe), "explain", str(data), "--all", "--no-progress"], stdout=subprocess.PIPE, check=True)
+    which = ["--conversation", conversation_id] if conversation_id is not None else ["--all"]
+    subprocess.run([str(exe), "explain", str(data), *which, "--no-progress"], stdout=subprocess.PIPE, check=True,
+                   env=env)
 
 
 def _grep(files: list[str], needle: str) -> None:
@@ -164,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                             (f"--all, every record (`load_turns`: --json, --html), {label}",
                              lambda d=folder: load_turns([str(d)])),
                             (f"CLI `kvdiag explain --all` (printed into a pipe), {label}",
-                             lambda d=folder: _cli_all(d)))
+                             lambda d=folder: _cli(d, None)))
     doc = {"data": str(args.data), "bytes": size, "files": len(files), "cpus": os.cpu_count(),
            "python": platform.python_version(), "load_average": os.getloadavg(), "rows": rows}
     print(json.dumps(doc, indent=2))

@@ -61,16 +61,20 @@ def _handled(table: Table) -> bool:
                 and all(isinstance(x, Text) and x.justify in (None, *_JUSTIFY) for x in c.cells) for c in columns))
 
 
+def _one_cell_each(plain: str) -> bool:
+    """Printable ASCII: one line, one cell a character (which rich's cell_len takes longer to find out)."""
+    return plain.isascii() and plain.isprintable()
+
+
 def _width(plain: str) -> int:
-    """Cells of a line of text, as rich counts them (printable ASCII: one a character, which rich takes longer
-    to find out)."""
-    return len(plain) if plain.isascii() and plain.isprintable() else cell_len(plain)
+    """Cells of a line of text, as rich counts them."""
+    return len(plain) if _one_cell_each(plain) else cell_len(plain)
 
 
 def _measure(text: Text) -> tuple[int, int]:
     """(minimum, maximum) width of a cell's text, as rich measures a Text."""
     plain = text.plain
-    if plain.isascii() and plain.isprintable():  # (one line, one cell a character)
+    if _one_cell_each(plain):
         words = plain.split()
         return (max(map(len, words)) if words else len(plain)), len(plain)
     lines = plain.splitlines()
@@ -114,10 +118,11 @@ def _fits(plain: str, cells: int, width: int) -> bool:
 
 def _cell(console: Console, text: Text, width: int, style: Style, column: Any) -> list[list[Segment]]:
     """A cell's lines, each exactly ``width`` cells wide, in the cell's style under the text's own."""
-    cells = _width(text.plain)
-    if _fits(text.plain, cells, width):  # (most cells: Text.wrap is nine tenths of a row's cost)
+    text_plain = text.plain
+    cells = _width(text_plain)
+    if _fits(text_plain, cells, width):  # (most cells: Text.wrap is nine tenths of a row's cost)
         short = width - cells
-        plain = [Segment(text.plain, style or None)] if not text.spans and not text.style else \
+        plain = [Segment(text_plain, style or None)] if not text.spans and not text.style else \
             list(Segment.apply_style(Text().append(text).render(console), style))
         if (text.justify or column.justify) == "right":
             return [[Segment(" " * short, style), *plain]] if short else [plain]

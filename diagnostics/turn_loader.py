@@ -157,19 +157,27 @@ def load_turns(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None 
 
     ``stats`` (optional) receives the line counts, corrupt lines skipped included.
     """
+    with _decided_run(paths, progress, stats, evidence=True) as (staged, run):
+        convs = records(run)
+        staged.display_records(convs)
+    with gc_paused():
+        return sorted(convs, key=_severity)
+
+
+@contextlib.contextmanager
+def _decided_run(paths: Iterable[str] | StagedInputs, progress: ProgressFn | None, stats: LineStats | None, *,
+                 evidence: bool) -> Iterator[tuple[StagedInputs, engine.Run]]:
+    """Every input staged and through the engine; the run's line counts go to ``stats`` once it has been read."""
     with staged_inputs(paths) as staged:
         inner = LineStats()
         files = _detect(staged.paths, inner)
-        run = run_all(files, progress)
+        run = run_all(files, progress, evidence=evidence)
         try:
             inner.merge(run.stats)
-            convs = records(run)
+            yield staged, run
         finally:
             run.con.close()
-        staged.display_records(convs)
         _merge_stats(stats, staged, inner)
-        with gc_paused():
-            return sorted(convs, key=_severity)
 
 
 def _severity(conv: ConversationRecord) -> tuple[int, int, str]:
@@ -180,17 +188,9 @@ def summarize_conversations(paths: Iterable[str] | StagedInputs, progress: Progr
                             stats: LineStats | None = None) -> list[ConversationSummary]:
     """Every conversation's turn numbers and verdicts, worst first (what ``explain --all`` lists). No turn's
     numbers, reason or evidence are read, which takes about two thirds of the time of loading the turns."""
-    with staged_inputs(paths) as staged:
-        inner = LineStats()
-        files = _detect(staged.paths, inner)
-        run = run_all(files, progress, evidence=False)
-        try:
-            inner.merge(run.stats)
-            rows = run.con.execute("SELECT conversation_id, list(turn ORDER BY pos), list(verdict ORDER BY pos) "
-                                   "FROM decided GROUP BY conversation_id").fetchall()
-        finally:
-            run.con.close()
-        _merge_stats(stats, staged, inner)
+    with _decided_run(paths, progress, stats, evidence=False) as (_staged, run):
+        rows = run.con.execute("SELECT conversation_id, list(turn ORDER BY pos), list(verdict ORDER BY pos) "
+                               "FROM decided GROUP BY conversation_id").fetchall()
     summaries = [ConversationSummary(conv, tuple(turns), tuple(map(_VERDICTS.__getitem__, verdicts)))
                  for conv, turns, verdicts in rows]
     return sorted(summaries, key=operator.attrgetter("severity"))
