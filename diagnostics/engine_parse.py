@@ -352,14 +352,14 @@ def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str,
 # The proxy log (engine_proxy) and the patterns' reading, which the vLLM statements share.
 
 
-def parse_proxy_sql(lines: Iterable[str] | None = None) -> list[str]:
+def parse_proxy_sql(lines: Iterable[str] | None = None, *, all_ascii: bool = False) -> list[str]:
     """Statements: ``pl`` from lines_proxy (engine_proxy.parse_proxy_sql); ``lines``: every line of lines_proxy,
     when they are few (only the classifiers one of them can match are compiled, in their ASCII forms where every
-    line is ASCII)."""
+    line is ASCII). ``all_ascii`` (without ``lines``): every line of lines_proxy is ASCII."""
     from kvdiag.diagnostics import engine_proxy  # noqa: PLC0415  (it reads this module's helpers)
 
     if lines is None:
-        return engine_proxy.parse_proxy_sql()
+        return engine_proxy.parse_proxy_sql(all_ascii=all_ascii)
     texts = list(lines)
     return engine_proxy.parse_proxy_sql(engine_proxy.kinds_present(texts), all_ascii=all(t.isascii() for t in texts))
 

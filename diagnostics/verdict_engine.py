@@ -428,11 +428,14 @@ def parse(run: Run) -> None:
     stats = any(lf.fmt == "client_stats" for lf in run.files)
     for q in ep.parse_json_sql(stats=stats):
         execute(run, q)
-    # (a few lines: only the proxy classifiers one of them can match; RE2 compiles each pattern at every run)
-    proxy = [ln for (ln,) in run.con.execute("SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()
-             ] if run.few_rows else None
+    if run.few_rows:  # (only the proxy classifiers one of the lines can match; RE2 compiles each at every run)
+        proxy_sql = ep.parse_proxy_sql(ln for (ln,) in run.con.execute(
+            "SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall())
+    else:  # (every line ASCII: RE2 runs the patterns' ASCII forms faster than their Unicode classes)
+        proxy_ascii = run.con.execute(f"SELECT bool_and({ep.ASCII.format('line')}) FROM lines_proxy").fetchall()[0][0]
+        proxy_sql = ep.parse_proxy_sql(all_ascii=bool(proxy_ascii))
     fields = ep.event_fields(run.con)
-    for q in (*ep.parse_events_sql(fields, stats=stats), *ep.parse_proxy_sql(proxy)):
+    for q in (*ep.parse_events_sql(fields, stats=stats), *proxy_sql):
         execute(run, q)
     if not run.few_rows:
         for q in ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii):

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics import engine_proxy
+from kvdiag.diagnostics import verdict_engine as engine
+from kvdiag.diagnostics.detect import LogFile
 from kvdiag.diagnostics.engine_proxy import longest_literal
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
@@ -63,7 +65,8 @@ def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
     for q in ep.parse_json_sql(stats=stats):
         con.execute(q)
     proxy = [ln for (ln,) in con.execute("SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()]
-    for q in (*ep.parse_events_sql(ep.event_fields(con), stats=stats), *ep.parse_proxy_sql(proxy if words else None),
+    proxy_sql = ep.parse_proxy_sql(proxy) if words else ep.parse_proxy_sql(all_ascii=all(t.isascii() for t in proxy))
+    for q in (*ep.parse_events_sql(ep.event_fields(con), stats=stats), *proxy_sql,
               *ep.vllm_head_sql(ascii_branch=ascii_branch)):
         con.execute(q)
     present = [w for (w,) in con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
@@ -186,8 +189,9 @@ def test_proxy_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, s
     lines = [f"2025-11-29 06:55:00 [INFO] disagg_proxy: {t.format(r=r, c=c, w=w)}" for t, r, c, w in rows]
     # every classifier, and (one conversation's lines) only those the lines can meet, in their ASCII forms
     # where every line is ASCII (the second file)
+    ascii_lines = [ln.encode("ascii", "replace").decode() for ln in lines]
     for name, text, few in (("proxy.log", lines, False), ("proxy.log", lines, True),
-                            ("ascii-proxy.log", [ln.encode("ascii", "replace").decode() for ln in lines], True)):
+                            ("ascii-proxy.log", ascii_lines, True), ("ascii-proxy.log", ascii_lines, False)):
         path = tmp_path / name
         path.write_text("\n".join(text) + "\n", encoding="utf-8")
         con, loaded = _engine([path], words=few)
@@ -220,6 +224,39 @@ def test_the_proxy_patterns_ascii_forms_are_only_for_ascii_lines(tmp_path: Path)
     assert kinds == {False: [], True: ["hit"]}
     assert "\\p{" not in ep.parse_proxy_sql([line.encode("ascii", "replace").decode()])[0]  # (the gate opens)
     assert "\\p{" in ep.parse_proxy_sql([line])[0]
+
+
+def test_the_bulk_proxy_parse_takes_the_ascii_forms_only_when_every_line_is_ascii(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's whole-file path: an all-ASCII proxy log is parsed with the ASCII forms, and a log with one
+    line the ASCII forms would misread (a Unicode space in the conversation id) with the Unicode-aware ones, so
+    that line is no record (negative control: forced to the ASCII forms, it becomes a cache hit)."""
+    head = "2025-11-29 06:55:00 [INFO] disagg_proxy: "
+    plain = [f"{head}[r{i}] conv=c{i}: cache MISS" for i in range(3)]
+    odd = f"{head}conv=a\u2003b: cache HIT (age=1.5s)"
+    chosen: list[bool] = []
+    real = ep.parse_proxy_sql
+
+    def spy(lines: Any = None, *, all_ascii: bool = False, force: bool | None = None) -> list[str]:
+        chosen.append(all_ascii)
+        return real(lines, all_ascii=all_ascii if force is None else force)
+
+    def kinds(lines: list[str], force: bool | None = None) -> list[str]:
+        path = tmp_path / "proxy.log"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        monkeypatch.setattr(ep, "parse_proxy_sql", lambda ls=None, **kw: spy(ls, force=force, **kw))
+        run = engine.new_run([LogFile(str(path), "proxy", size=path.stat().st_size)])
+        try:
+            engine.load_files(run)
+            engine.parse(run)
+            return [k for (k,) in run.con.execute("SELECT kind FROM pl ORDER BY n").fetchall()]
+        finally:
+            run.con.close()
+
+    assert kinds(plain) == ["miss"] * 3
+    assert kinds([*plain, odd]) == ["miss"] * 3
+    assert chosen == [True, False]
+    assert kinds([*plain, odd], force=True) == ["miss"] * 3 + ["hit"]  # (the control: the gate matters)
 
 
 def _required_runs(seq: Any) -> list[str]:
