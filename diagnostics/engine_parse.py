@@ -352,16 +352,18 @@ def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str,
 # The proxy log (engine_proxy) and the patterns' reading, which the vLLM statements share.
 
 
-def parse_proxy_sql(lines: Iterable[str] | None = None, *, all_ascii: bool = False) -> list[str]:
+def parse_proxy_sql(lines: Iterable[str] | None = None, *, all_ascii: bool = False, cr: bool = True) -> list[str]:
     """Statements: ``pl`` from lines_proxy (engine_proxy.parse_proxy_sql); ``lines``: every line of lines_proxy,
     when they are few (only the classifiers one of them can match are compiled, in their ASCII forms where every
-    line is ASCII). ``all_ascii`` (without ``lines``): every line of lines_proxy is ASCII."""
+    line is ASCII). Without ``lines``: ``all_ascii``, every line of lines_proxy is ASCII; ``cr``, a line may end
+    with a carriage return."""
     from kvdiag.diagnostics import engine_proxy  # noqa: PLC0415  (it reads this module's helpers)
 
     if lines is None:
-        return engine_proxy.parse_proxy_sql(all_ascii=all_ascii)
+        return engine_proxy.parse_proxy_sql(all_ascii=all_ascii, cr=cr)
     texts = list(lines)
-    return engine_proxy.parse_proxy_sql(engine_proxy.kinds_present(texts), all_ascii=all(t.isascii() for t in texts))
+    return engine_proxy.parse_proxy_sql(engine_proxy.kinds_present(texts), all_ascii=all(t.isascii() for t in texts),
+                                        cr=any(t.endswith("\r") for t in texts))
 
 
 # What Python's \s reads in a str pattern (str.isspace: the ASCII separators \x1c-\x1f and \v too), in RE2's

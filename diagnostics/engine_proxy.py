@@ -114,11 +114,12 @@ def kinds_present(lines: Iterable[str]) -> set[int]:
     return {i for i, literal in enumerate(literals) if any(literal in t for t in texts)}
 
 
-def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool = False) -> list[str]:
+def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool = False, cr: bool = True) -> list[str]:
     """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives.
     ``present``: the classifiers that can take a line (kinds_present), when known; the others are left out.
     ``all_ascii``: every line of lines_proxy is ASCII, and the patterns take their ASCII forms (a Unicode class
-    costs RE2 ten times as long to compile, which a few lines' run pays for and never gets back)."""
+    costs RE2 ten times as long to compile, which a few lines' run pays for and never gets back). Without ``cr``
+    no line of lines_proxy ends with a carriage return (none is trimmed)."""
     classes = [(i, kind, regex) for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS) if present is None or i in present]
     form, forms = (ascii_form if all_ascii else _re2), _one_pass_forms(all_ascii)
     kinds, groups = [], []
@@ -148,16 +149,21 @@ def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool =
     ends = " ".join(f"WHEN {sql_str(lead)} THEN {end}" for lead, end in _ID_END.items())
     # PROXY_RE's groups by position: the time, "[LEVEL]", the logger's name (no space, no colon), ": ", message;
     # the time and level hold no ": ", so the first is the one after the name
-    msg = "substr(t, strpos(t, ': ') + 2)"
+    # The message starts at p. Its first character and the word w are cut from the line, not from the message:
+    # DuckDB knows a stored column's text is ASCII and then cuts it by byte position, while it scans a computed
+    # string (the message, a trimmed line) character by character from its start.
+    t = _RTRIM_CR.format("line") if cr else "line"
     return [
         # seq orders the lines: files in reading order, then lines. The kind is computed once, in one
         # projection with the groups; the lines no classifier takes are deleted after (as a filter, DuckDB
         # would run the patterns twice, and a materialized step copies every line)
         f"""CREATE TEMP TABLE pl AS
-            WITH m AS (SELECT f, n, left(t, 19) AS ts, {msg} AS msg, left({msg}, 1) AS lead
-                FROM (SELECT f, n, {_RTRIM_CR.format('line')} AS t FROM lines_proxy WHERE line IS NOT NULL)
-                WHERE regexp_matches(t, {sql_str(form(PROXY_HEAD_RE))})),
-            i AS (SELECT *, substr(msg, q + 2, {_WORD}) AS w FROM (SELECT *, CASE lead {ends} END AS q FROM m)),
+            WITH m AS (SELECT f, n, t, p, left(t, 19) AS ts, substr(t, p) AS msg, substr(t, p, 1) AS lead
+                FROM (SELECT f, n, t, strpos(t, ': ') + 2 AS p
+                      FROM (SELECT f, n, {t} AS t FROM lines_proxy WHERE line IS NOT NULL)
+                      WHERE regexp_matches(t, {sql_str(form(PROXY_HEAD_RE))}))),
+            i AS (SELECT * EXCLUDE (t, p), substr(t, p + q + 1, {_WORD}) AS w
+                  FROM (SELECT *, CASE lead {ends} END AS q FROM m)),
             c AS (SELECT *, {f"CASE {' '.join(kinds)} END" if kinds else 'NULL::INTEGER'} AS k
                   FROM (SELECT *{''.join(', ' + g for g in groups)} FROM i))
             SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (

@@ -432,8 +432,9 @@ def parse(run: Run) -> None:
         proxy_sql = ep.parse_proxy_sql(ln for (ln,) in run.con.execute(
             "SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall())
     else:  # (every line ASCII: RE2 runs the patterns' ASCII forms faster than their Unicode classes)
-        proxy_ascii = run.con.execute(f"SELECT bool_and({ep.ASCII.format('line')}) FROM lines_proxy").fetchall()[0][0]
-        proxy_sql = ep.parse_proxy_sql(all_ascii=bool(proxy_ascii))
+        proxy_ascii, proxy_cr = run.con.execute(f"SELECT bool_and({ep.ASCII.format('line')}), "
+                                                "bool_or(ends_with(line, chr(13))) FROM lines_proxy").fetchall()[0]
+        proxy_sql = ep.parse_proxy_sql(all_ascii=bool(proxy_ascii), cr=bool(proxy_cr))
     fields = ep.event_fields(run.con)
     for q in (*ep.parse_events_sql(fields, stats=stats), *proxy_sql):
         execute(run, q)

@@ -237,9 +237,9 @@ def test_the_bulk_proxy_parse_takes_the_ascii_forms_only_when_every_line_is_asci
     chosen: list[bool] = []
     real = ep.parse_proxy_sql
 
-    def spy(lines: Any = None, *, all_ascii: bool = False, force: bool | None = None) -> list[str]:
+    def spy(lines: Any = None, *, all_ascii: bool = False, force: bool | None = None, **kw: Any) -> list[str]:
         chosen.append(all_ascii)
-        return real(lines, all_ascii=all_ascii if force is None else force)
+        return real(lines, all_ascii=all_ascii if force is None else force, **kw)
 
     def kinds(lines: list[str], force: bool | None = None) -> list[str]:
         path = tmp_path / "proxy.log"
@@ -257,6 +257,43 @@ def test_the_bulk_proxy_parse_takes_the_ascii_forms_only_when_every_line_is_asci
     assert kinds([*plain, odd]) == ["miss"] * 3
     assert chosen == [True, False]
     assert kinds([*plain, odd], force=True) == ["miss"] * 3 + ["hit"]  # (the control: the gate matters)
+
+
+def test_the_bulk_proxy_parse_trims_a_carriage_return_only_where_a_line_has_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CRLF proxy log (read by Python, each line keeping its CR) gives the parser's fields, the message's last
+    group without the CR; a log without one is read untrimmed (negative control: the CRLF log untrimmed puts the
+    CR into the failure's detail and the reason)."""
+    head = "2025-11-29 06:55:00 [INFO] disagg_proxy: "
+    lines = [f"{head}[r1] Prefill request failed: boom", f"{head}[r2] conv=c2: not caching D blocks (no params)"]
+    real = ep.parse_proxy_sql
+    trimmed: list[bool] = []
+
+    def fields(text: str, force: bool | None = None) -> list[tuple[Any, ...]]:
+        path = tmp_path / "proxy.log"
+        path.write_bytes(text.encode())
+
+        def spy(ls: Any = None, **kw: Any) -> list[str]:
+            trimmed.append(kw.get("cr", True))
+            return real(ls, **({**kw, "cr": force} if force is not None else kw))
+
+        monkeypatch.setattr(ep, "parse_proxy_sql", spy)
+        run = engine.new_run([LogFile(str(path), "proxy", size=path.stat().st_size)])
+        try:
+            engine.load_files(run)
+            engine.parse(run)
+            return run.con.execute("SELECT n, kind, rid, detail, why FROM pl ORDER BY n").fetchall()
+        finally:
+            run.con.close()
+
+    want = [(p.lineno, p.kind, p.fields.get("rid"), p.fields.get("detail"), p.fields.get("why"))
+            for p in parse_proxy_numbered([(i + 1, ln.encode()) for i, ln in enumerate(lines)], "proxy.log")]
+    assert [w[3] for w in want] == ["boom", None] and want[1][4] == " (no params)"
+    assert fields("".join(ln + "\r\n" for ln in lines)) == want
+    assert fields("".join(ln + "\n" for ln in lines)) == want
+    assert trimmed == [True, False]
+    got = fields("".join(ln + "\r\n" for ln in lines), force=False)
+    assert [g[3] for g in got] == ["boom\r", None] and got[1][4] == " (no params)\r"
 
 
 def _required_runs(seq: Any) -> list[str]:
