@@ -46,17 +46,21 @@ class BulkOnly(str):
 
 
 # schema.request_ids.header_request_id: drop a "-<8 alphanumerics>" suffix, then a chatcmpl-/cmpl- prefix. Two
-# spellings of one function: over every line the CASE (DuckDB computes its repeated parts once per row) is the
-# faster; for a few rows binding it costs more than running it, and hrid's six uses bind ext_id thirty times.
+# spellings of one function: over every line, one cut of the id itself (where its header id ends, ``ext_end``,
+# and starts, ``hrid_start``; DuckDB computes their repeated parts once per row, and cuts a stored ASCII column
+# by byte position, where it would count a computed string's characters from its start); for a few rows binding
+# that costs more than running it, and the regular expressions are the cheaper.
 MACROS: Final = (
-    """CREATE OR REPLACE TEMP MACRO ext_id(x) AS CASE WHEN length(x) > 9 AND substr(x, length(x) - 8, 1) = '-'
-         AND regexp_full_match(right(x, 8), '[0-9a-zA-Z]{8}') THEN left(x, length(x) - 9) ELSE x END""",
-    BulkOnly("""CREATE OR REPLACE TEMP MACRO hrid(x) AS CASE WHEN starts_with(ext_id(x), 'chatcmpl-')
-         THEN substr(ext_id(x), 10) WHEN starts_with(ext_id(x), 'cmpl-') THEN substr(ext_id(x), 6)
-         ELSE ext_id(x) END"""),
+    BulkOnly("""CREATE OR REPLACE TEMP MACRO ext_end(x) AS CASE WHEN length(x) > 9
+         AND substr(x, length(x) - 8, 1) = '-' AND regexp_full_match(right(x, 8), '[0-9a-zA-Z]{8}')
+         THEN length(x) - 9 ELSE length(x) END"""),
+    BulkOnly("""CREATE OR REPLACE TEMP MACRO hrid_start(x) AS CASE WHEN ext_end(x) >= 9 AND starts_with(x, 'chatcmpl-')
+         THEN 10 WHEN ext_end(x) >= 5 AND starts_with(x, 'cmpl-') THEN 6 ELSE 1 END"""),
+    BulkOnly("CREATE OR REPLACE TEMP MACRO hrid(x) AS substr(x, hrid_start(x), ext_end(x) - hrid_start(x) + 1)"),
     FewRowsOnly(r"""CREATE OR REPLACE TEMP MACRO hrid(x) AS regexp_replace(regexp_replace(x,
          '(?s)^(.+)-[0-9a-zA-Z]{8}$', '\1'), '^(?:chatcmpl-|cmpl-)', '')"""),
 )
+
 
 _TAG_RE: Final = "|".join(f"[0-9a-f]{{{n}}}" for n in HASH_PREFIX_LENGTHS)
 
@@ -217,10 +221,11 @@ def join_sql(only: str | None) -> list[str]:
                           AS grp FROM vl v JOIN froles fr USING (f) JOIN offered o ON o.offered_id = v.request_id
                         WHERE v.kind IN ('releasing_expired', 'invalid_unrecognized')
                           AND fr.role IS DISTINCT FROM 'prefill'),
-           -- every id a line names, as its header id (a projection: DuckDB computes hrid's repeated parts once)
-           rids AS (SELECT f, n, hrid(rid) AS rid FROM (
-                      SELECT f, n, request_id AS rid FROM vl WHERE kind IS NOT NULL AND request_id IS NOT NULL
-                      UNION ALL SELECT f, n, unnest(list_concat(request_ids, [ctx_request_id])) FROM vl
+           -- every id a line names, as its header id (a projection: DuckDB computes hrid's repeated parts once;
+           -- one per branch, so the stored column's is cut as the ASCII text it is)
+           rids AS (SELECT f, n, hrid(request_id) AS rid FROM vl WHERE kind IS NOT NULL AND request_id IS NOT NULL
+                    UNION ALL SELECT f, n, hrid(rid) FROM (
+                      SELECT f, n, unnest(list_concat(request_ids, [ctx_request_id])) AS rid FROM vl
                       WHERE kind IS NOT NULL AND (len(request_ids) > 0 OR ctx_request_id IS NOT NULL))
                     WHERE rid IS NOT NULL),
            named AS (SELECT DISTINCT r.f, r.n, b.sid FROM rids r JOIN by_rid b ON b.rid = r.rid

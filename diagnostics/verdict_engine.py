@@ -273,10 +273,16 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
     table = _TABLES[run.files[f].fmt]
     if _csv_safe(path):
         try:
-            # (the number ends at the first ":": split_part would split the whole line at every one)
-            run.con.execute(f"INSERT INTO {table} SELECT {f}, CAST(left(line, c - 1) AS BIGINT), substr(line, c + 1) "
-                            f"FROM (SELECT line, strpos(line, ':') AS c FROM read_csv({ep.sql_str(path)}, "
-                            f"{ep.CSV_LINES}))")
+            # (the number ends at the first ":": split_part would split the whole line at every one. The lines
+            # are stored before they are cut: DuckDB then knows whether they are ASCII, and cuts ASCII text by
+            # byte position instead of counting its characters from the start)
+            run.con.execute(f"CREATE OR REPLACE TEMP TABLE grep_lines AS SELECT line FROM read_csv({ep.sql_str(path)}, "
+                            f"{ep.CSV_LINES})")
+            try:
+                run.con.execute(f"INSERT INTO {table} SELECT {f}, CAST(left(line, c - 1) AS BIGINT), "
+                                "substr(line, c + 1) FROM (SELECT line, strpos(line, ':') AS c FROM grep_lines)")
+            finally:
+                run.con.execute("DROP TABLE grep_lines")
             # (decode_line keeps a line whole up to MAX_LINE_CHARS bytes, its newline included)
             if not run.con.execute(f"SELECT count(*) FROM {table} WHERE f = {f} AND strlen(line) >= "
                                    f"{MAX_LINE_CHARS}").fetchall()[0][0]:

@@ -54,6 +54,19 @@ def test_random_ids_equal_python(hrid: dict[str, duckdb_api.Connection], spellin
     assert _engine(hrid[spelling], ids) == [header_request_id(x) for x in ids]
 
 
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.text(alphabet=st.sampled_from("ab0Z-\nchatcmpl"), max_size=30), min_size=1, max_size=20))
+def test_stored_ascii_ids_equal_python(hrid: dict[str, duckdb_api.Connection], ids: list[str]) -> None:
+    """Ids in a table column DuckDB knows to be ASCII, which it cuts by byte position (the engine's case)."""
+    con = hrid["bulk"]
+    ascii_ids = [x for x in EDGES if x.isascii()] + ids
+    con.execute("CREATE OR REPLACE TEMP TABLE stored AS SELECT x, i FROM unnest($ids::VARCHAR[]) WITH ORDINALITY "
+                "AS t(x, i)", {"ids": ascii_ids})
+    assert con.execute("SELECT stats(x) FROM stored LIMIT 1").fetchall()[0][0]["has_unicode"] is False
+    got = [r for (r,) in con.execute("SELECT hrid(x) FROM stored ORDER BY i").fetchall()]
+    assert got == [header_request_id(x) for x in ascii_ids]
+
+
 def test_a_wrong_spelling_is_caught(hrid: dict[str, duckdb_api.Connection]) -> None:
     # negative control: the prefix dropped before the suffix (the order the two steps must not take)
     con = duckdb_api.connect()
