@@ -562,8 +562,10 @@ def _literal(src: str) -> str | None:
     return "".join(out)
 
 
-def _first_group_cut(regex: re.Pattern[str], col: str) -> str | None:
-    """The pattern's first group in ``col`` (the whole match) by position, or None when its shape allows none."""
+def _first_group_cut(regex: re.Pattern[str], col: str, text: str = "msg") -> str | None:
+    """The pattern's first group in ``col`` (the whole match, which starts ``text``) by position, or None when its
+    shape allows none. The group is cut from ``text``, a stored column: DuckDB cuts a column it knows to be ASCII
+    by byte position, and counts a computed string's characters from its start."""
     m = re.fullmatch(r"\^((?:\\[^A-Za-z0-9]|[^\\^$.|?*+()\[\]{}])+)\(([^()]*)\)(.*)", regex.pattern, re.DOTALL)
     if m is None or m.group(2) not in _CUT_BODIES:
         return None
@@ -571,12 +573,13 @@ def _first_group_cut(regex: re.Pattern[str], col: str) -> str | None:
     rest = m.group(3)[:-1] if m.group(3).endswith("$") and not m.group(3).endswith("\\$") else m.group(3)
     tail = _literal(rest)
     if tail is not None:  # the group is the last: it ends where the match's final literal starts
-        return f"substr({col}, {start}, length({col}) - {start - 1 + len(tail)})"
+        return f"substr({text}, {start}, length({col}) - {start - 1 + len(tail)})"
     after = _literal(rest[:2] if rest.startswith("\\") else rest[:1])
     if (not after or rest[len(after) + rest.startswith("\\"):][:1] in ("?", "*", "+", "{")
             or m.group(2) == ".*" or re.fullmatch(m.group(2)[:-1], after)):
         return None
-    return f"left(substr({col}, {start}), strpos(substr({col}, {start}), {sql_str(after)}) - 1)"
+    # (the first `after` past the group is the match's: the group's characters cannot spell it)
+    return f"substr({text}, {start}, strpos(substr({text}, {start}), {sql_str(after)}) - 1)"
 
 
 _REST: Final = "(.*)$"
