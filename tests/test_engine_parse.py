@@ -65,7 +65,8 @@ def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
     for q in ep.parse_json_sql(stats=stats):
         con.execute(q)
     proxy = [ln for (ln,) in con.execute("SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()]
-    proxy_sql = ep.parse_proxy_sql(proxy) if words else ep.parse_proxy_sql(all_ascii=all(t.isascii() for t in proxy))
+    proxy_sql = ep.parse_proxy_sql(proxy) if words else ep.parse_proxy_sql(
+        all_ascii=all(t.isascii() for t in proxy), cr=any(t.endswith("\r") for t in proxy))
     for q in (*ep.parse_events_sql(ep.event_fields(con), stats=stats), *proxy_sql,
               *ep.vllm_head_sql(ascii_branch=ascii_branch)):
         con.execute(q)
@@ -172,7 +173,8 @@ def test_vllm_messages_match_the_parser(tmp_path: Path, rows: list[tuple[str, st
             assert got[rec.lineno] == want, (ascii_branch, rec.msg, got[rec.lineno])
 
 
-_PROXY_TEXT = st.text(st.sampled_from("ab9_-.:()=x/é [s\v\x1f\xa0\u2003\u0663"), min_size=0, max_size=10)  # (as _ID)
+# (the characters of _ID, and a carriage return)
+_PROXY_TEXT = st.text(st.sampled_from("ab9_-.:()=x/é [s\v\x1f\xa0\u2003\u0663\r"), min_size=0, max_size=10)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
