@@ -562,7 +562,7 @@ def _literal(src: str) -> str | None:
     return "".join(out)
 
 
-def _first_group_cut(regex: re.Pattern[str], col: str, text: str = "msg") -> str | None:
+def _first_group_cut(regex: re.Pattern[str], col: str, text: str) -> str | None:
     """The pattern's first group in ``col`` (the whole match, which starts ``text``) by position, or None when its
     shape allows none. The group is cut from ``text``, a stored column: DuckDB cuts a column it knows to be ASCII
     by byte position, and counts a computed string's characters from its start."""
@@ -709,7 +709,7 @@ def vllm_records_sql(words: Collection[str] | None = None, *, ascii_branch: bool
     used = {i: {int(g) for col in VLLM_COLUMNS for g in re.findall(r"x\.g(\d+)", _field(i, kind, regex, col) or "")}
             for i, kind, regex, _first in classes}
     cuts = {i: cut for i, _kind, regex, first in classes if first is not None and used[i] <= {1}
-            and (cut := _first_group_cut(regex, f"m{i}")) is not None} if fast else {}
+            and (cut := _first_group_cut(regex, f"m{i}", "msg")) is not None} if fast else {}
     # a kind whose pattern ends in "(.*)$" is matched by its prefix alone (which RE2 stops at, instead of running
     # the rest to the end of the line): the last group is the text after that match, the others are read from it
     rests = {i: prefix for i, _kind, regex, first in classes if fast and first is not None and i not in cuts

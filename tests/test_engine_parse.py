@@ -228,6 +228,30 @@ def test_the_proxy_patterns_ascii_forms_are_only_for_ascii_lines(tmp_path: Path)
     assert "\\p{" in ep.parse_proxy_sql([line])[0]
 
 
+_PARSE_PROXY_SQL = ep.parse_proxy_sql  # (the engine's own, whatever a test patches in its place)
+
+
+def _bulk_pl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, columns: str,
+             chosen: list[dict[str, Any]], **force: Any) -> list[tuple[Any, ...]]:
+    """``pl``'s ``columns`` (in line order) for a proxy log holding ``text``, parsed by the engine's whole-file path.
+    The options the engine picks for parse_proxy_sql go into ``chosen``; ``force`` overrides them."""
+    path = tmp_path / "proxy.log"
+    path.write_bytes(text.encode())
+
+    def spy(lines: Any = None, **options: Any) -> list[str]:
+        chosen.append(options)
+        return _PARSE_PROXY_SQL(lines, **{**options, **force})
+
+    monkeypatch.setattr(ep, "parse_proxy_sql", spy)
+    run = engine.new_run([LogFile(str(path), "proxy", size=path.stat().st_size)])
+    try:
+        engine.load_files(run)
+        engine.parse(run)
+        return run.con.execute(f"SELECT {columns} FROM pl ORDER BY n").fetchall()
+    finally:
+        run.con.close()
+
+
 def test_the_bulk_proxy_parse_takes_the_ascii_forms_only_when_every_line_is_ascii(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's whole-file path: an all-ASCII proxy log is parsed with the ASCII forms, and a log with one
@@ -236,29 +260,16 @@ def test_the_bulk_proxy_parse_takes_the_ascii_forms_only_when_every_line_is_asci
     head = "2025-11-29 06:55:00 [INFO] disagg_proxy: "
     plain = [f"{head}[r{i}] conv=c{i}: cache MISS" for i in range(3)]
     odd = f"{head}conv=a\u2003b: cache HIT (age=1.5s)"
-    chosen: list[bool] = []
-    real = ep.parse_proxy_sql
+    chosen: list[dict[str, Any]] = []
 
-    def spy(lines: Any = None, *, all_ascii: bool = False, force: bool | None = None, **kw: Any) -> list[str]:
-        chosen.append(all_ascii)
-        return real(lines, all_ascii=all_ascii if force is None else force, **kw)
-
-    def kinds(lines: list[str], force: bool | None = None) -> list[str]:
-        path = tmp_path / "proxy.log"
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        monkeypatch.setattr(ep, "parse_proxy_sql", lambda ls=None, **kw: spy(ls, force=force, **kw))
-        run = engine.new_run([LogFile(str(path), "proxy", size=path.stat().st_size)])
-        try:
-            engine.load_files(run)
-            engine.parse(run)
-            return [k for (k,) in run.con.execute("SELECT kind FROM pl ORDER BY n").fetchall()]
-        finally:
-            run.con.close()
+    def kinds(lines: list[str], **force: Any) -> list[str]:
+        rows = _bulk_pl(tmp_path, monkeypatch, "\n".join(lines) + "\n", "kind", chosen, **force)
+        return [k for (k,) in rows]
 
     assert kinds(plain) == ["miss"] * 3
     assert kinds([*plain, odd]) == ["miss"] * 3
-    assert chosen == [True, False]
-    assert kinds([*plain, odd], force=True) == ["miss"] * 3 + ["hit"]  # (the control: the gate matters)
+    assert [c["all_ascii"] for c in chosen] == [True, False]
+    assert kinds([*plain, odd], all_ascii=True) == ["miss"] * 3 + ["hit"]  # (the control: the gate matters)
 
 
 def test_the_bulk_proxy_parse_trims_a_carriage_return_only_where_a_line_has_one(
@@ -268,33 +279,18 @@ def test_the_bulk_proxy_parse_trims_a_carriage_return_only_where_a_line_has_one(
     CR into the failure's detail and the reason)."""
     head = "2025-11-29 06:55:00 [INFO] disagg_proxy: "
     lines = [f"{head}[r1] Prefill request failed: boom", f"{head}[r2] conv=c2: not caching D blocks (no params)"]
-    real = ep.parse_proxy_sql
-    trimmed: list[bool] = []
+    chosen: list[dict[str, Any]] = []
 
-    def fields(text: str, force: bool | None = None) -> list[tuple[Any, ...]]:
-        path = tmp_path / "proxy.log"
-        path.write_bytes(text.encode())
-
-        def spy(ls: Any = None, **kw: Any) -> list[str]:
-            trimmed.append(kw.get("cr", True))
-            return real(ls, **({**kw, "cr": force} if force is not None else kw))
-
-        monkeypatch.setattr(ep, "parse_proxy_sql", spy)
-        run = engine.new_run([LogFile(str(path), "proxy", size=path.stat().st_size)])
-        try:
-            engine.load_files(run)
-            engine.parse(run)
-            return run.con.execute("SELECT n, kind, rid, detail, why FROM pl ORDER BY n").fetchall()
-        finally:
-            run.con.close()
+    def fields(text: str, **force: Any) -> list[tuple[Any, ...]]:
+        return _bulk_pl(tmp_path, monkeypatch, text, "n, kind, rid, detail, why", chosen, **force)
 
     want = [(p.lineno, p.kind, p.fields.get("rid"), p.fields.get("detail"), p.fields.get("why"))
             for p in parse_proxy_numbered([(i + 1, ln.encode()) for i, ln in enumerate(lines)], "proxy.log")]
     assert [w[3] for w in want] == ["boom", None] and want[1][4] == " (no params)"
     assert fields("".join(ln + "\r\n" for ln in lines)) == want
     assert fields("".join(ln + "\n" for ln in lines)) == want
-    assert trimmed == [True, False]
-    got = fields("".join(ln + "\r\n" for ln in lines), force=False)
+    assert [c["cr"] for c in chosen] == [True, False]
+    got = fields("".join(ln + "\r\n" for ln in lines), cr=False)
     assert [g[3] for g in got] == ["boom\r", None] and got[1][4] == " (no params)\r"
 
 
