@@ -109,16 +109,21 @@ def _first_proxy_time(run: Run) -> float | None:
     return None if not row or row[0][0] is None else float(row[0][0])
 
 
+# The offers' clock times sorted, the one at index count // 2 (NULL without one). One pass: each time is read once
+# (an ORDER BY ... OFFSET over a CTE counted in a subquery read every line's clock twice, twice as long).
+MIDDLE_OFFER_SQL: Final = (f"SELECT list_sort(list(t) FILTER (WHERE t IS NOT NULL))[count(t) // 2 + 1] "
+                           f"FROM (SELECT {PROXY_WALL_CLOCK} AS t FROM pl WHERE kind = 'sending')")
+
+
 def _periodic_stats(run: Run) -> bool:
     """P's stat lines around the middle offer are periodic (a bisected look at each P log, before any parsing)."""
     # the middle offer's time (wall_clock's reading of the proxy's clock, in SQL: only one value is needed)
-    middle = run.con.execute(f"""WITH s AS (SELECT {PROXY_WALL_CLOCK} AS t FROM pl WHERE kind = 'sending')
-        SELECT t FROM s WHERE t IS NOT NULL ORDER BY t LIMIT 1 OFFSET (SELECT count(t) // 2 FROM s)""").fetchall()
-    if not middle:
+    middle = run.con.execute(MIDDLE_OFFER_SQL).fetchall()[0][0]
+    if middle is None:
         return False
     p_files = [lf.path for lf, (role,) in zip(run.files, run.con.execute(
         "SELECT role FROM froles ORDER BY f").fetchall(), strict=True) if lf.fmt == "vllm" and role == "prefill"]
-    return all(_periodic(_probe(path, float(middle[0][0]))) for path in p_files)
+    return all(_periodic(_probe(path, float(middle))) for path in p_files)
 
 
 def findings(ledger: Ledger, wanted: Sequence[str], files: list[LogFile]
