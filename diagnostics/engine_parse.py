@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     import duckdb
     import pyarrow as pa
 
-CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = '\\x01', quote = '', escape = '', "
+# One column per line: the delimiter is the byte 0x01 (chr(1); the text '\x01' in SQL would be a four-character
+# delimiter, and a line holding that text would be cut there), which a file read this way does not hold.
+CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
                     f"strict_mode = false, auto_detect = false, max_line_size = {4 * MAX_LINE_CHARS}")
 _WS: Final = "' \t\r\n\x0b\x0c'"  # what Python's str.strip() removes from a JSON line (ASCII)
 
@@ -177,7 +179,8 @@ _RTRIM_EOL: Final = ("CASE WHEN ends_with(line, chr(13)) OR ends_with(line, chr(
                      "THEN rtrim(line, chr(13) || chr(10)) ELSE line END")
 
 
-_HAS_EVENT_KEYS: Final = "list_contains({0}, 'v') AND list_contains({0}, 'source') AND list_contains({0}, 'event')"
+# (in parentheses: "NOT a OR NOT <this>" would otherwise read as "NOT a OR (NOT x AND y AND z)")
+_HAS_EVENT_KEYS: Final = "(list_contains({0}, 'v') AND list_contains({0}, 'source') AND list_contains({0}, 'event'))"
 _STAT_COLUMNS: Final = f"""NULL::VARCHAR AS text,
               CASE WHEN left(s.conversation_id, 1) = '"' THEN {_json_str('s.conversation_id')}
                    ELSE CAST(s.conversation_id AS VARCHAR) END AS conversation_id,

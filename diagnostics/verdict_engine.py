@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from kvdiag.diagnostics import duckdb_api
 from kvdiag.diagnostics import engine_parse as ep
@@ -186,17 +186,20 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
         con.unregister(name)
 
 
-def _plain(path: str) -> bool:
-    """True when DuckDB can read the file line for line as grep numbers it: not compressed, no carriage
-    return (DuckDB also ends a line at a lone CR)."""
+def _plain(path: str) -> Literal["plain", "delimiter", "other"]:
+    """"plain" when DuckDB can read the file line for line as grep numbers it: not compressed, no carriage
+    return (DuckDB also ends a line at a lone CR), no byte 0x01 (its line reader's column delimiter, where it
+    would cut the line); "delimiter" when only a byte 0x01 stands in the way; "other" otherwise."""
     if path.endswith(".gz"):
-        return False
+        return "other"
     try:
         with open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
-                return True
+                return "plain"
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return mm[:2] != b"\x1f\x8b" and mm.find(b"\r") < 0
+                if mm[:2] == b"\x1f\x8b" or mm.find(b"\r") >= 0:
+                    return "other"
+                return "plain" if mm.find(b"\x01") < 0 else "delimiter"
     except OSError as exc:
         raise LogReadError(f"cannot read {path}: {exc.strerror or exc}") from None
 
@@ -249,7 +252,7 @@ def _grep_vllm(path: str, progress: Callable[[int], None] | None, also: Sequence
 
 def _csv_safe(path: str) -> bool:
     """True when DuckDB's line reader splits ``path`` as grep numbered it: no carriage return (a line end
-    for DuckDB), no NUL and no \x01 (the reader's column delimiter)."""
+    for DuckDB), no NUL and no byte 0x01 (the reader's column delimiter)."""
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         return all(mm.find(b) < 0 for b in (b"\r", b"\x00", b"\x01"))
 
@@ -372,7 +375,8 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                 if lf.fmt == "client_stats" and is_json_document(lf.path):
                     add_document(run, f)
                     continue
-                if _plain(lf.path):
+                plain = _plain(lf.path)
+                if plain == "plain":
                     try:
                         run.con.execute(ep.read_lines_sql(_TABLES[lf.fmt], f, lf.path))
                         if lf.fmt == "proxy" and run.side_needles:
@@ -383,7 +387,12 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                     except (duckdb_api.InvalidInputException, duckdb_api.ConversionException):
                         # invalid UTF-8: Python decodes
                         run.con.execute(f"DELETE FROM {_TABLES[lf.fmt]} WHERE f = {f}")
+                corrupt = run.stats.corrupt
                 add_lines(run, f, read_all_lines(lf.path, progress))
+                # (a line holding the reader's delimiter, read by Python, is as the file has it: its side lines
+                # are kept as a plain file's are, unless some line did not decode)
+                if plain == "delimiter" and run.stats.corrupt == corrupt and lf.fmt == "proxy" and run.side_needles:
+                    _keep_side_lines(run, f, _TABLES[lf.fmt])
             for f, fut in kept.items():
                 try:
                     got = fut.result()

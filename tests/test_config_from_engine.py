@@ -127,11 +127,11 @@ def test_engine_lines_equal_a_scan_of_its_own(tmp_path: Path, edit: Callable[[st
     assert {Path(p).name for p in reads if p.endswith(engine_read)} == set(engine_read)
 
 
-@pytest.mark.parametrize("byte", ["\x01", "\x00"])
+@pytest.mark.parametrize("byte", ["\x01", "\x00", "\\x01"])
 def test_a_proxy_log_with_odd_bytes_gives_the_same_facts(tmp_path: Path, byte: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    # \x01 is the column delimiter of DuckDB's line reader and NUL no text; the router TTL sits after the byte,
-    # so a line cut there would lose it
+    # \x01 is the column delimiter of DuckDB's line reader and NUL no text (the four characters "\\x01" were once
+    # the delimiter); the router TTL sits after them, so a line cut there would lose it
     folder = [str(_folder(tmp_path, proxy_edit=lambda s: s.replace("stale cache entry (age=500.1s",
                                                                    f"{byte}stale cache entry (age=500.1s")))]
     alone = scan_config(folder)
