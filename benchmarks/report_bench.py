@@ -101,7 +101,7 @@ def duckdb_raw_scan(files: list[str]) -> None:
                         "union_by_name = true)", {"f": json_files})
         if other:
             con.execute("CREATE TABLE t AS SELECT * FROM read_csv($f, columns = {'line': 'VARCHAR'}, header = false, "
-                        "delim = '\\x01', quote = '', escape = '', strict_mode = false)", {"f": other})
+                        "delim = chr(1), quote = '', escape = '', strict_mode = false)", {"f": other})
     finally:
         con.close()
 
