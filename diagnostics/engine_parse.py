@@ -46,6 +46,11 @@ if TYPE_CHECKING:
 # delimiter, and a line holding that text would be cut there), which a file read this way does not hold.
 CSV_LINES: Final = ("columns = {'line': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
                     f"strict_mode = false, auto_detect = false, max_line_size = {4 * MAX_LINE_CHARS}")
+# rg's "N<0x01>line" output: the number and the line as two columns (strict: a line holding 0x01 is an error, and
+# Python reads the file instead; an empty line is NULL)
+CSV_NUMBERED_LINES: Final = ("columns = {'n': 'BIGINT', 'line': 'VARCHAR'}, header = false, delim = chr(1), "
+                             "quote = '', escape = '', strict_mode = true, auto_detect = false, "
+                             f"max_line_size = {4 * MAX_LINE_CHARS}")
 _WS: Final = "' \t\r\n\x0b\x0c'"  # what Python's str.strip() removes from a JSON line (ASCII)
 
 

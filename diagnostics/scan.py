@@ -294,24 +294,31 @@ def grep_ere_in(data: bytes, ere: str, first_line: int = 1, *, name: str = "", r
     return out
 
 
+# rg writes "N<this>line": DuckDB's line reader then splits the number off as it reads (grep can only write ":")
+RG_FIELD_SEPARATOR: Final = b"\x01"
+
+
 def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None = None,
-                     also: Sequence[str] = (), pcre: str | None = None, rust: str | None = None) -> None:
+                     also: Sequence[str] = (), pcre: str | None = None, rust: str | None = None) -> bytes:
     """``grep -n`` of a POSIX extended regex (or any of the fixed strings ``also``) into the file ``out``
-    ("N:line" per matching line), so the kept lines never pass through Python; raises LogReadError. ``pcre``: a
-    Perl pattern for the same lines, which grep -P runs instead when there is no ``also`` (PCRE skips ahead to the
-    pattern's first character; strings beside it would give several first characters to try instead). ``rust``:
-    the same lines in rg's syntax (ASCII only), which rg runs first where it is installed."""
-    done = False
+    (the line number, a separator and the line, per matching line), so the kept lines never pass through Python;
+    raises LogReadError. ``pcre``: a Perl pattern for the same lines, which grep -P runs instead when there is no
+    ``also`` (PCRE skips ahead to the pattern's first character; strings beside it would give several first
+    characters to try instead). ``rust``: the same lines in rg's syntax (ASCII only), which rg runs first where it
+    is installed. Returns the separator: RG_FIELD_SEPARATOR from rg, ":" from grep."""
     if rust is not None and ripgrep() is not None:
         try:
-            _grep_to_file(path, ["-e", rust, *(arg for a in also for arg in ("-e", rust_escape(a)))], out,
-                          exe=ripgrep())
-            done = True
+            _grep_to_file(path, ["--field-match-separator", RG_FIELD_SEPARATOR.decode(), "-e", rust,
+                                 *(arg for a in also for arg in ("-e", rust_escape(a)))], out, exe=ripgrep())
+            if progress is not None:
+                progress(_size(path))
+            return RG_FIELD_SEPARATOR
         except LogReadError:
             pass  # (rg refused): grep reads the file
-    if not done and GREP is None:
+    if GREP is None:
         raise LogReadError(f"cannot read {path}: grep is not on PATH")
-    if not done and pcre is not None and not also and has_pcre():
+    done = False
+    if pcre is not None and not also and has_pcre():
         try:
             _grep_to_file(path, ["-P", "-e", pcre], out)
             done = True
@@ -322,6 +329,7 @@ def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None 
                                      for arg in ("-e", s))], out)
     if progress is not None:
         progress(_size(path))
+    return b":"
 
 
 def _grep_to_file(path: str, pattern_args: list[str], out: str, *, exe: str | None = None) -> None:

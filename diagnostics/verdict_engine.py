@@ -36,6 +36,7 @@ from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql, pick_sql
 from kvdiag.diagnostics.scan import (
     GREP,
+    RG_FIELD_SEPARATOR,
     grep_ere,
     grep_ere_to_file,
     grep_regex,
@@ -233,39 +234,40 @@ def vllm_lines(path: str, progress: Callable[[int], None] | None = None) -> Iter
 
 
 def _grep_vllm(path: str, progress: Callable[[int], None] | None, also: Sequence[str] = ()
-               ) -> str | list[tuple[int, bytes]]:
+               ) -> tuple[str, bytes] | list[tuple[int, bytes]]:
     """The prefilter's lines of one vLLM log (and those containing a string of ``also``): a file of grep's
-    "N:line" output (DuckDB reads it), or the prefilter's numbered lines when grep cannot run on it (no
-    grep, a compressed file)."""
+    output (DuckDB reads it) and the separator after each line's number, or the prefilter's numbered lines when
+    grep cannot run on it (no grep, a compressed file)."""
     if (GREP is None and ripgrep() is None) or path.endswith(".gz"):
         return list(vllm_lines(path, progress))
     fd, out = tempfile.mkstemp(prefix="kvdiag-vllm-", suffix=".txt")
     os.close(fd)
     try:
-        grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also, pcre=VLLM_PREFILTER_PCRE,
-                         rust=VLLM_PREFILTER_RUST)
+        sep = grep_ere_to_file(path, VLLM_PREFILTER, out, progress, also, pcre=VLLM_PREFILTER_PCRE,
+                               rust=VLLM_PREFILTER_RUST)
     except BaseException:
         os.unlink(out)
         raise
-    return out
+    return out, sep
 
 
-def _csv_safe(path: str) -> bool:
+def _csv_safe(path: str, sep: bytes) -> bool:
     """True when DuckDB's line reader splits ``path`` as grep numbered it: no carriage return (a line end
-    for DuckDB), no NUL and no byte 0x01 (the reader's column delimiter)."""
+    for DuckDB), no NUL, and no byte 0x01 (the reader's column delimiter) unless it is the separator (a line
+    holding one more is an error for the strict two-column read)."""
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return all(mm.find(b) < 0 for b in (b"\r", b"\x00", b"\x01"))
+        return all(mm.find(b) < 0 for b in (b"\r", b"\x00", b"\x01") if b != sep)
 
 
-def _numbered(path: str) -> Iterator[tuple[int, bytes]]:
-    """grep's "N:line" output read back by Python (each line with its newline, as grep's pipe gives it)."""
+def _numbered(path: str, sep: bytes) -> Iterator[tuple[int, bytes]]:
+    """grep's "N<sep>line" output read back by Python (each line with its newline, as grep's pipe gives it)."""
     for _n, raw in read_all_lines(path):
-        num, _, line = raw.partition(b":")
+        num, _, line = raw.partition(sep)
         yield int(num), line + b"\n"
 
 
-def add_grep_output(run: Run, f: int, path: str) -> None:
-    """grep's "N:line" output for file ``f`` into its lines table: read by DuckDB where it splits the lines
+def add_grep_output(run: Run, f: int, path: str, sep: bytes = b":") -> None:
+    """grep's "N<sep>line" output for file ``f`` into its lines table: read by DuckDB where it splits the lines
     as grep did and every line is valid UTF-8 and short enough to keep whole; by Python (add_lines, which
     counts and notes such lines) otherwise. Lines with a side needle are kept in side_rows; those the
     prefilter would not keep leave the lines table."""
@@ -274,18 +276,22 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
             _keep_side_lines(run, f, [])
         return
     table = _TABLES[run.files[f].fmt]
-    if _csv_safe(path):
+    if _csv_safe(path, sep):
         try:
-            # (the number ends at the first ":": split_part would split the whole line at every one. The lines
-            # are stored before they are cut: DuckDB then knows whether they are ASCII, and cuts ASCII text by
-            # byte position instead of counting its characters from the start)
-            run.con.execute(f"CREATE OR REPLACE TEMP TABLE grep_lines AS SELECT line FROM read_csv({ep.sql_str(path)}, "
-                            f"{ep.CSV_LINES})")
-            try:
-                run.con.execute(f"INSERT INTO {table} SELECT {f}, CAST(left(line, c - 1) AS BIGINT), "
-                                "substr(line, c + 1) FROM (SELECT line, strpos(line, ':') AS c FROM grep_lines)")
-            finally:
-                run.con.execute("DROP TABLE grep_lines")
+            if sep == RG_FIELD_SEPARATOR:  # (the reader splits the number off: 0x01 is its delimiter)
+                run.con.execute(f"INSERT INTO {table} SELECT {f}, n, coalesce(line, '') "
+                                f"FROM read_csv({ep.sql_str(path)}, {ep.CSV_NUMBERED_LINES})")
+            else:
+                # (the number ends at the first ":": split_part would split the whole line at every one. The
+                # lines are stored before they are cut: DuckDB then knows whether they are ASCII, and cuts ASCII
+                # text by byte position instead of counting its characters from the start)
+                run.con.execute(f"CREATE OR REPLACE TEMP TABLE grep_lines AS SELECT line FROM "
+                                f"read_csv({ep.sql_str(path)}, {ep.CSV_LINES})")
+                try:
+                    run.con.execute(f"INSERT INTO {table} SELECT {f}, CAST(left(line, c - 1) AS BIGINT), "
+                                    "substr(line, c + 1) FROM (SELECT line, strpos(line, ':') AS c FROM grep_lines)")
+                finally:
+                    run.con.execute("DROP TABLE grep_lines")
             # (decode_line keeps a line whole up to MAX_LINE_CHARS bytes, its newline included)
             if not run.con.execute(f"SELECT count(*) FROM {table} WHERE f = {f} AND strlen(line) >= "
                                    f"{MAX_LINE_CHARS}").fetchall()[0][0]:
@@ -296,7 +302,7 @@ def add_grep_output(run: Run, f: int, path: str) -> None:
         run.con.execute(f"DELETE FROM {table} WHERE f = {f}")
         if run.side_markers.pop(f, None) is not None:  # (Python reads the file again, side lines included)
             run.con.execute(f"DELETE FROM side_rows WHERE f = {f}")
-    numbered = _numbered(path)
+    numbered = _numbered(path, sep)
     if not run.side_needles:
         add_lines(run, f, numbered)
         return
@@ -396,8 +402,8 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
             for f, fut in kept.items():
                 try:
                     got = fut.result()
-                    if isinstance(got, str):
-                        add_grep_output(run, f, got)
+                    if isinstance(got, tuple):
+                        add_grep_output(run, f, *got)
                     else:
                         add_lines(run, f, got)
                 except (OSError, EOFError) as exc:
@@ -408,9 +414,9 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                     got = fut.result()
                 except BaseException:  # reported above (or the failure in progress is)
                     continue
-                if isinstance(got, str):
+                if isinstance(got, tuple):
                     with contextlib.suppress(OSError):
-                        os.unlink(got)
+                        os.unlink(got[0])
 
 
 def add_document(run: Run, f: int) -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvdiag.diagnostics import scan
 from kvdiag.diagnostics import verdict_engine as ve
+from kvdiag.diagnostics.detect import LogFile
 from kvdiag.diagnostics.scan import grep_ere_to_file, has_pcre
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "logs"
@@ -26,8 +29,11 @@ def _kept(tmp_path: Path, lines: list[bytes], pcre: str | None, rust: str | None
     log = tmp_path / "in.log"
     log.write_bytes(b"\n".join(lines))
     out = tmp_path / "out.txt"
-    grep_ere_to_file(str(log), ve.VLLM_PREFILTER, str(out), pcre=pcre, rust=rust, also=also)
-    return out.read_bytes()
+    sep = grep_ere_to_file(str(log), ve.VLLM_PREFILTER, str(out), pcre=pcre, rust=rust, also=also)
+    assert sep == b":" if rust is None else sep in (b":", scan.RG_FIELD_SEPARATOR)
+    # (rg separates a line's number with 0x01, grep with ":": compared in grep's form)
+    return b"\n".join(n + b":" + rest if rest or mid else n
+                      for n, mid, rest in (ln.partition(sep) for ln in out.read_bytes().split(b"\n")))
 
 
 def _lines() -> list[bytes]:
@@ -81,3 +87,47 @@ def test_side_strings_keep_the_posix_grep(tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
     grep_ere_to_file(str(log), ve.VLLM_PREFILTER, str(out), also=("KV load failure",), pcre=ve.VLLM_PREFILTER_PCRE)
     assert out.read_bytes() == b"1:] NIXL a\n2:plain KV load failure\n"
+
+
+def _utf8(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _engine_lines(tmp_path: Path, lines: list[bytes], monkeypatch: pytest.MonkeyPatch, *, rg: bool,
+                  python: bool = True) -> list[tuple[int, int, str]]:
+    """The lines table of a vLLM log of ``lines``, prefiltered by rg or grep; without ``python`` its output must
+    not be read by Python."""
+    log = tmp_path / "prefill.log"
+    log.write_bytes(b"\n".join(lines) + b"\n")
+    with monkeypatch.context() as m:
+        if not python:
+            m.setattr(ve, "_numbered", lambda *_a: pytest.fail("grep's output was read by Python"))
+        if not rg:
+            m.setattr(ve, "ripgrep", lambda: None)
+            m.setattr(scan, "ripgrep", lambda: None)
+        run = ve.new_run([LogFile(str(log), "vllm", "prefill")])
+        try:
+            ve.load_files(run)
+            rows = run.con.execute("SELECT f, n, line FROM lines_vllm ORDER BY n").fetchall()
+        finally:
+            run.con.close()
+    return [(f, n, line) for f, n, line in rows]
+
+
+@pytest.mark.parametrize("extra", [b"", b"INFO 11-29 06:54:50 [x.py:1] NIXL a\x01b: the reader's delimiter"])
+def test_the_engine_reads_rg_s_output_as_grep_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                extra: bytes) -> None:
+    """rg's "N<0x01>line" form (two columns for DuckDB's reader) gives the lines table grep's "N:line" gives,
+    odd lines included; a line holding 0x01 sends the file to Python's reader (it would be cut there)."""
+    # (lines DuckDB's reader takes whole: a CR, NUL, invalid UTF-8 or an over-long line sends any file to Python)
+    lines = [ln for ln in _lines() if _utf8(ln) and b"\r" not in ln and b"\x00" not in ln and len(ln) < 1000]
+    lines += [extra] if extra else []
+    with_rg = _engine_lines(tmp_path, lines, monkeypatch, rg=True, python=bool(extra))
+    assert with_rg == _engine_lines(tmp_path, lines, monkeypatch, rg=False)
+    assert len(with_rg) > 50
+    if extra:
+        assert any(line.endswith("the reader's delimiter") for _f, _n, line in with_rg)
