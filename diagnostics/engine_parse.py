@@ -164,8 +164,8 @@ def _num(key: str) -> str:
 
 
 def _int(key: str) -> str:
-    # json_logs._int: int(float(x)), which truncates
-    return f"CAST(trunc({_num(key)}) AS BIGINT)"
+    # json_logs._int: int(float(x)), which truncates; NULL where no 64-bit integer holds it (or it is not finite)
+    return f"TRY_CAST(trunc({_num(key)}) AS BIGINT)"
 
 
 def _json_str(col: str) -> str:

@@ -95,8 +95,17 @@ def _num(obj: dict[str, Any], key: str) -> float | None:
 
 
 def _int(obj: dict[str, Any], key: str) -> int | None:
+    """The number truncated, when it is finite and a 64-bit integer holds it (a count past that is no count;
+    json.loads reads Infinity, NaN and 1e400 too)."""
     value = _num(obj, key)
-    return int(value) if value is not None else None
+    if value is None or not math.isfinite(value):
+        return None
+    whole = int(value)
+    return whole if INT64_MIN <= whole <= INT64_MAX else None
+
+
+INT64_MIN: Final = -(1 << 63)
+INT64_MAX: Final = (1 << 63) - 1
 
 
 # The schema's own field classes (schema/events.py), so the fast path below accepts exactly what
@@ -165,13 +174,17 @@ def fast_event(obj: dict[str, Any]) -> TurnEvent | None:
 
 def client_stat_from_dict(obj: Any, path: str, lineno: int, text: str) -> ClientStat | None:
     """A ClientStat from a decoded record, or None when it is not one (no conversation id)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("conversation_id"), str | int):
+    if not isinstance(obj, dict):
+        return None
+    conv = obj.get("conversation_id")
+    # a string, or an integer a 64-bit word holds (signed or not); True is an int to Python, and no id
+    if not (isinstance(conv, str) or (type(conv) is int and INT64_MIN <= conv < 1 << 64)):
         return None
     turn = _int(obj, "turn")
     rid = obj.get("request_id")
     start = _num(obj, "start_time_ms")
     return ClientStat(start_ts=start / 1000.0 if start is not None and start >= EPOCH_MS_FLOOR else None,
-                      path=path, lineno=lineno, conversation_id=str(obj["conversation_id"]),
+                      path=path, lineno=lineno, conversation_id=str(conv),
                       ttft_ms=_num(obj, "ttft_ms"), text=text[:500], start_time_ms=start,
                       latency_ms=_num(obj, "latency_ms"), input_num_turns=_int(obj, "input_num_turns"),
                       input_num_tokens=_int(obj, "input_num_tokens"),

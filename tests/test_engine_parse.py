@@ -450,3 +450,49 @@ def test_a_statistic_whose_id_json_escapes_is_read_by_the_bulk_load(tmp_path: Pa
         assert not cut[0][0].endswith("}")
     finally:
         run.con.close()
+
+
+
+# JSON values of every type where a statistic has a number or an id, and the literals json.loads reads beyond the
+# standard (NaN, Infinity, 1e400 as infinity) or past a 64-bit word: the engine once failed the whole run on an
+# integer past 2**63 (a CAST), json_logs on Infinity (int() of it), and json_logs took true for an id ("True")
+_STAT_VALUES = st.sampled_from(["0", "-3", "7.5", "1e3", "1E2", "-0.0", "true", "false", "null", '"12"', '""', "[1]",
+                                '{"a": 1}', "9223372036854775807", "9223372036854775808", "-9223372036854775809",
+                                "18446744073709551615", "18446744073709551616", "1.0e19", "NaN", "Infinity",
+                                "-Infinity", "1e400", "123456789012345678901234567890"])
+_STAT_FIELDS = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
+                "output_num_tokens", "turn", "request_id")
+
+
+def _same(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    return [tuple("NaN" if isinstance(x, float) and x != x else x for x in r) for r in rows]  # (NaN != NaN)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.dictionaries(st.sampled_from(_STAT_FIELDS), _STAT_VALUES, max_size=4), min_size=1, max_size=4),
+       st.booleans())
+def test_statistics_with_odd_values_equal_json_logs(tmp_path: Path, edits: list[dict[str, str]], stats: bool) -> None:
+    base = {"conversation_id": '"c"', "ttft_ms": "1.5", "latency_ms": "2", "start_time_ms": "3",
+            "input_num_turns": "1", "input_num_tokens": "4", "output_num_tokens": "5"}
+    lines = ["{" + ", ".join(f'"{k}": {v}' for k, v in {**base, **edit}.items()) + "}" for edit in edits]
+    path = tmp_path / "client-stats.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    con, loaded = _engine([path], stats=stats)
+    cols = ", ".join(_STAT_FIELDS)
+    got = con.execute(f"SELECT n, {cols} FROM cs WHERE sub = 0 ORDER BY n").fetchall()
+    want = [(r.lineno, *(getattr(r, c) for c in _STAT_FIELDS)) for r in parse_json_numbered(loaded[0], str(path))
+            if isinstance(r, ClientStat)]
+    assert _same(got) == _same(want), lines
+
+
+def test_a_statistic_s_count_past_a_64_bit_word_is_no_count() -> None:
+    line = ('{"conversation_id": "c", "ttft_ms": 1, "input_num_turns": Infinity, "input_num_tokens": '
+            '100000000000000000000, "output_num_tokens": 4611686018427387904, "turn": 1e400}')
+    (stat,) = parse_json_numbered([(1, line.encode())], "x")
+    assert isinstance(stat, ClientStat)
+    assert (stat.input_num_turns, stat.input_num_tokens, stat.output_num_tokens, stat.turn) == \
+        (None, None, 1 << 62, None)
+    flagged = [r for r in parse_json_numbered([(1, b'{"conversation_id": true, "ttft_ms": 1}')], "x")]
+    assert flagged == []  # (true is no id)
+    assert [r.conversation_id for r in parse_json_numbered([(1, b'{"conversation_id": 7, "ttft_ms": 1}')], "x")
+            if isinstance(r, ClientStat)] == ["7"]
