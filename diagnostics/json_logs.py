@@ -94,6 +94,10 @@ def _num(obj: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
+INT64_MIN: Final = -(1 << 63)
+INT64_MAX: Final = (1 << 63) - 1
+
+
 def _int(obj: dict[str, Any], key: str) -> int | None:
     """The number truncated, when it is finite and a 64-bit integer holds it (a count past that is no count;
     json.loads reads Infinity, NaN and 1e400 too)."""
@@ -102,10 +106,6 @@ def _int(obj: dict[str, Any], key: str) -> int | None:
         return None
     whole = int(value)
     return whole if INT64_MIN <= whole <= INT64_MAX else None
-
-
-INT64_MIN: Final = -(1 << 63)
-INT64_MAX: Final = (1 << 63) - 1
 
 
 # The schema's own field classes (schema/events.py), so the fast path below accepts exactly what

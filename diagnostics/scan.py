@@ -306,30 +306,29 @@ def grep_ere_to_file(path: str, ere: str, out: str, progress: ProgressFn | None 
     ``also`` (PCRE skips ahead to the pattern's first character; strings beside it would give several first
     characters to try instead). ``rust``: the same lines in rg's syntax (ASCII only), which rg runs first where it
     is installed. Returns the separator: RG_FIELD_SEPARATOR from rg, ":" from grep."""
+    sep = b""  # (none yet: nothing has written the file)
     if rust is not None and ripgrep() is not None:
         try:
             _grep_to_file(path, ["--field-match-separator", RG_FIELD_SEPARATOR.decode(), "-e", rust,
                                  *(arg for a in also for arg in ("-e", rust_escape(a)))], out, exe=ripgrep())
-            if progress is not None:
-                progress(_size(path))
-            return RG_FIELD_SEPARATOR
+            sep = RG_FIELD_SEPARATOR
         except LogReadError:
             pass  # (rg refused): grep reads the file
-    if GREP is None:
+    if not sep and GREP is None:
         raise LogReadError(f"cannot read {path}: grep is not on PATH")
-    done = False
-    if pcre is not None and not also and has_pcre():
+    if not sep and pcre is not None and not also and has_pcre():
         try:
             _grep_to_file(path, ["-P", "-e", pcre], out)
-            done = True
+            sep = b":"
         except LogReadError:
             pass  # (a line PCRE's limits refuse): the POSIX matcher reads the file
-    if not done:
+    if not sep:
         _grep_to_file(path, ["-E", *(arg for s in (ere, *(_ere_escape(a.encode()).decode() for a in also))
                                      for arg in ("-e", s))], out)
+        sep = b":"
     if progress is not None:
         progress(_size(path))
-    return b":"
+    return sep
 
 
 def _grep_to_file(path: str, pattern_args: list[str], out: str, *, exe: str | None = None) -> None:

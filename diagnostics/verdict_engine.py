@@ -266,7 +266,7 @@ def _numbered(path: str, sep: bytes) -> Iterator[tuple[int, bytes]]:
         yield int(num), line + b"\n"
 
 
-def add_grep_output(run: Run, f: int, path: str, sep: bytes = b":") -> None:
+def add_grep_output(run: Run, f: int, path: str, sep: bytes) -> None:
     """grep's "N<sep>line" output for file ``f`` into its lines table: read by DuckDB where it splits the lines
     as grep did and every line is valid UTF-8 and short enough to keep whole; by Python (add_lines, which
     counts and notes such lines) otherwise. Lines with a side needle are kept in side_rows; those the
