@@ -410,6 +410,20 @@ def test_class_escapes_read_by_re2_as_python_reads_them() -> None:
 
 
 
+_STAT = {"ttft_ms": 5.0, "latency_ms": 9.0, "start_time_ms": 1.0, "input_num_turns": 1, "input_num_tokens": 3,
+         "output_num_tokens": 2}  # a statistic's numbers, its id added by each test
+
+
+def _stats_both_ways(path: Path, columns: tuple[str, ...], *, stats: bool
+                     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The statistics of a JSON lines file as (line number, *columns): the engine's and json_logs'."""
+    con, loaded = _engine([path], stats=stats)
+    got = con.execute(f"SELECT n, {', '.join(columns)} FROM cs WHERE sub = 0 ORDER BY n").fetchall()
+    want = [(r.lineno, *(getattr(r, c) for c in columns)) for r in parse_json_numbered(loaded[0], str(path))
+            if isinstance(r, ClientStat)]
+    return got, want
+
+
 # A conversation id with characters JSON escapes (a quote, a backslash, a control character; "é" too where the
 # writer escapes non-ASCII, as json.dumps does by default): such a line holds a backslash, the mark of a line
 # whose keys are listed before it is typed. A statistics line with one was once dropped without a count (an
@@ -420,13 +434,9 @@ def test_class_escapes_read_by_re2_as_python_reads_them() -> None:
 def test_statistics_with_escaped_characters_equal_json_logs(tmp_path: Path, ids: list[tuple[str, bool]],
                                                             stats: bool) -> None:
     path = tmp_path / "client-stats.jsonl"
-    path.write_text("".join(json.dumps({"ttft_ms": 5.0, "latency_ms": 9.0, "start_time_ms": 1.0, "input_num_turns": 1,
-                                        "input_num_tokens": 3, "output_num_tokens": 2, "conversation_id": conv},
-                                       ensure_ascii=escaped) + "\n" for conv, escaped in ids), encoding="utf-8")
-    con, loaded = _engine([path], stats=stats)
-    got = con.execute("SELECT n, conversation_id FROM cs WHERE sub = 0 ORDER BY n").fetchall()
-    want = [(r.lineno, r.conversation_id) for r in parse_json_numbered(loaded[0], str(path))
-            if isinstance(r, ClientStat)]
+    path.write_text("".join(json.dumps({**_STAT, "conversation_id": conv}, ensure_ascii=escaped) + "\n"
+                            for conv, escaped in ids), encoding="utf-8")
+    got, want = _stats_both_ways(path, ("conversation_id",), stats=stats)
     assert got == want == [(n, conv) for n, (conv, _e) in enumerate(ids, start=1)]
 
 
@@ -435,9 +445,7 @@ def test_a_statistic_whose_id_json_escapes_is_read_by_the_bulk_load(tmp_path: Pa
     # the text "\x01", cuts such a line)
     path = tmp_path / "client-stats.jsonl"
     ids = ["conv\\x01tail", "caf\u00e9", 'say "hi"']
-    path.write_text("".join(json.dumps({"ttft_ms": 5.0, "latency_ms": 9.0, "start_time_ms": 1.0, "input_num_turns": 1,
-                                        "input_num_tokens": 3, "output_num_tokens": 2, "conversation_id": c}) + "\n"
-                            for c in ids), encoding="utf-8")
+    path.write_text("".join(json.dumps({**_STAT, "conversation_id": c}) + "\n" for c in ids), encoding="utf-8")
     run = engine.new_run([LogFile(str(path), "client_stats", "client")])
     try:
         engine.load_files(run)
@@ -477,11 +485,7 @@ def test_statistics_with_odd_values_equal_json_logs(tmp_path: Path, edits: list[
     lines = ["{" + ", ".join(f'"{k}": {v}' for k, v in {**base, **edit}.items()) + "}" for edit in edits]
     path = tmp_path / "client-stats.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    con, loaded = _engine([path], stats=stats)
-    cols = ", ".join(_STAT_FIELDS)
-    got = con.execute(f"SELECT n, {cols} FROM cs WHERE sub = 0 ORDER BY n").fetchall()
-    want = [(r.lineno, *(getattr(r, c) for c in _STAT_FIELDS)) for r in parse_json_numbered(loaded[0], str(path))
-            if isinstance(r, ClientStat)]
+    got, want = _stats_both_ways(path, _STAT_FIELDS, stats=stats)
     assert _same(got) == _same(want), lines
 
 
