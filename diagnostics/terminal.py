@@ -289,18 +289,23 @@ def explain_all_renderables(convs: Sequence[ConversationSummary], *, wide: bool 
     summary.add_column("turns", justify="right", no_wrap=True)
     for name, n in counts.most_common():
         summary.add_row(cell(name), cell(human_count(n)))
-    table = (compact_table(f"{len(convs):,} conversations, worst first") if not wide
-             else Table(title=f"{len(convs)} conversations, worst first"))
+    if wide:
+        table = Table(title=f"{len(convs)} conversations, worst first")
+    else:
+        table = compact_table(f"{len(convs):,} conversations, worst first")
     table.add_column("conversation", overflow="fold")
     table.add_column("turns", justify="right", no_wrap=True)
     table.add_column("verdicts", overflow="fold")
-    for c in convs:
-        if wide:
+    if wide:
+        for c in convs:
             verdicts = " ".join(f"{turn}:{v.value}" for turn, v in zip(c.turns, c.verdicts, strict=True))
-        else:  # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
-            verdicts = " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(v.value for v in c.verdicts))
-        table.add_row(Text(c.conversation_id), cell(str(len(c.turns))), Text(verdicts))
-    return quick([summary, table])
+            table.add_row(Text(c.conversation_id), cell(str(len(c.turns))), Text(verdicts))
+        return quick([summary, table])
+    # (one row per conversation, tens of thousands: kept as strings, laid out without a Text per cell)
+    rows = [(c.conversation_id, str(len(c.turns)),
+             # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
+             " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(v.value for v in c.verdicts))) for c in convs]
+    return [QuickTable(summary), QuickTable(table, rows, (Text(), cell(""), Text()))]
 
 
 def _runs(values: Iterable[str]) -> list[tuple[str, int]]:

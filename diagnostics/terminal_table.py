@@ -5,12 +5,14 @@ row. ``explain --all`` prints one row per conversation (36,311 rows for a gigaby
 printing after fifteen seconds of analysis), and a long agent conversation one row per turn. :class:`QuickTable`
 asks rich only for the column widths, from a table holding the few cells that decide them, and lays out each
 row itself. Tables it was not written for (borders, row styles, sections, fixed widths...) are rich's to lay out.
+``explain --all``'s rows are given as plain strings: one that fits is one padded string, with no Text made for it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -26,25 +28,75 @@ _JUSTIFY: Final = ("left", "right", "default")
 
 class QuickTable:
     """A compact rich table (no edge, one space of padding, collapsed, no row styles or sections) whose cells are
-    texts, laid out by hand; any other table is laid out by rich."""
+    texts, laid out by hand; any other table is laid out by rich.
 
-    def __init__(self, table: Table) -> None:
-        self.table = table
+    ``rows`` (optional, for a table given with its columns only): the body as plain strings, the ``i``-th cell of
+    a row a copy of ``cells[i]`` (its style, justify and wrapping) holding that string. A printable ASCII row that
+    fits its columns is then laid out as one string, without a Text per cell: the rows are added to the table only
+    if rich lays it out."""
+
+    def __init__(self, table: Table, rows: Sequence[Sequence[str]] | None = None,
+                 cells: Sequence[Text] | None = None) -> None:
+        if rows is not None and (cells is None or len(cells) != len(table.columns) or table.rows):
+            raise ValueError("plain rows need a table with no rows and one template cell per column")
+        self._table = table
+        self._rows = rows
+        self._cells = cells
+
+    @property
+    def table(self) -> Table:
+        """The rich table, every row in it."""
+        if self._rows is not None and self._cells is not None:
+            for row in self._rows:
+                self._table.add_row(*(_as_text(s, kind) for s, kind in zip(row, self._cells, strict=True)))
+            self._rows = None
+        return self._table
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[RenderableType | Segment]:
-        table = self.table
-        if not _handled(table):
-            yield table
+        table = self._table
+        plain = self._rows is not None and self._cells is not None and all(
+            isinstance(x, Text) and not x.spans and x.justify in (None, *_JUSTIFY) for x in self._cells)
+        if not _handled(table) or (self._rows is not None and not plain):
+            yield self.table
             return
+        body = _Body(table, self._rows if plain else None, self._cells)
         try:  # (the widths come from rich's own layout code, which it does not promise to keep)
-            widths = _widths(table, console, options)
+            widths = _widths(table, body, console, options)
         except (AttributeError, TypeError):
-            yield table
+            yield self.table
             return
         if any(w < (1 if i == len(widths) - 1 else 2) for i, w in enumerate(widths)):
-            yield table  # (a column squeezed to nothing on a page too narrow: rich's own corner cases)
+            yield self.table  # (a column squeezed to nothing on a page too narrow: rich's own corner cases)
             return
-        yield from _render(table, console, options, widths)
+        yield from _render(table, body, console, options, widths)
+
+
+@dataclasses.dataclass
+class _Body:
+    """A table's body: its Text cells, or plain rows with one template cell per column."""
+
+    table: Table
+    rows: Sequence[Sequence[str]] | None
+    cells: Sequence[Text] | None
+
+    def column(self, i: int) -> tuple[list[str], list[Text]]:
+        """Column ``i``'s plain texts, and its cells as Texts (empty for plain rows: made on demand)."""
+        if self.rows is None:
+            texts = [x for x in self.table.columns[i].cells if isinstance(x, Text)]
+            return [x.plain for x in texts], texts
+        return [row[i] for row in self.rows], []
+
+    def text(self, i: int, k: int, texts: list[Text]) -> Text:
+        """Column ``i``'s ``k``-th cell as a Text."""
+        if self.rows is None:
+            return texts[k]
+        assert self.cells is not None
+        return _as_text(self.rows[k][i], self.cells[i])
+
+
+def _as_text(plain: str, kind: Text) -> Text:
+    """``plain`` in a Text of ``kind``'s style, justify and wrapping."""
+    return Text(plain, style=kind.style, justify=kind.justify, overflow=kind.overflow, no_wrap=kind.no_wrap)
 
 
 def _handled(table: Table) -> bool:
@@ -61,9 +113,15 @@ def _handled(table: Table) -> bool:
                 and all(isinstance(x, Text) and x.justify in (None, *_JUSTIFY) for x in c.cells) for c in columns))
 
 
+# Printable characters rich counts as one cell each whatever the Unicode version: ASCII, and Latin-1 to the end of
+# the spacing modifiers (no-break space and soft hyphen left out: a space where text is cut, and no cell at all).
+# explain --all's "remote_hit×4" is one.
+_ONE_CELL_LATIN: Final = re.compile("[\x20-\x7e\xa1-\xac\xae-\u02ff]*")
+
+
 def _one_cell_each(plain: str) -> bool:
-    """Printable ASCII: one line, one cell a character (which rich's cell_len takes longer to find out)."""
-    return plain.isascii() and plain.isprintable()
+    """Printable text of one cell a character, one line (which rich's cell_len takes longer to find out)."""
+    return plain.isprintable() if plain.isascii() else _ONE_CELL_LATIN.fullmatch(plain) is not None
 
 
 def _width(plain: str) -> int:
@@ -71,9 +129,8 @@ def _width(plain: str) -> int:
     return len(plain) if _one_cell_each(plain) else cell_len(plain)
 
 
-def _measure(text: Text) -> tuple[int, int]:
+def _measure(plain: str) -> tuple[int, int]:
     """(minimum, maximum) width of a cell's text, as rich measures a Text."""
-    plain = text.plain
     if _one_cell_each(plain):
         words = plain.split()
         return (max(map(len, words)) if words else len(plain)), len(plain)
@@ -83,17 +140,17 @@ def _measure(text: Text) -> tuple[int, int]:
     return (max((cell_len(w) for w in words), default=widest)), widest
 
 
-def _widths(table: Table, console: Console, options: ConsoleOptions) -> list[int]:
+def _widths(table: Table, body: _Body, console: Console, options: ConsoleOptions) -> list[int]:
     """The columns' widths (padding included), computed by rich on a table that holds, per column, only the cell
     with the widest text and the cell with the widest word: rich takes the widest of each over a column's cells,
     before and after shrinking it to the page, so these decide the widths alone."""
     reduced = copy.copy(table)
     reduced.columns = []
-    for column in table.columns:
-        cells = [x for x in column.cells if isinstance(x, Text)]
-        sizes = [_measure(x) for x in cells]
-        keep = sorted({max(range(len(cells)), key=lambda i: sizes[i][k]) for k in (0, 1)}) if cells else []
-        reduced.columns.append(dataclasses.replace(column, _cells=[cells[i] for i in keep]))
+    for i, column in enumerate(table.columns):
+        plains, texts = body.column(i)
+        sizes = [_measure(x) for x in plains]
+        keep = sorted({max(range(len(plains)), key=lambda k: sizes[k][m]) for m in (0, 1)}) if plains else []
+        reduced.columns.append(dataclasses.replace(column, _cells=[body.text(i, k, texts) for k in keep]))
     extra = len(table.columns) - 1  # (the dividers between columns)
     widths: list[int] = reduced._calculate_column_widths(  # (rich private: see _widths above)
         console, options.update_width(options.max_width - extra))
@@ -139,14 +196,13 @@ def _cell(console: Console, text: Text, width: int, style: Style, column: Any) -
     return out
 
 
-def _render(table: Table, console: Console, options: ConsoleOptions, widths: list[int]
+def _render(table: Table, body: _Body, console: Console, options: ConsoleOptions, widths: list[int]
             ) -> Iterator[RenderableType | Segment]:
     box = table.box.substitute(options, safe=table.safe_box if table.safe_box is not None else console.safe_box) \
         if table.box is not None else None
     assert box is not None  # (checked by _handled)
     columns = table.columns
-    last = len(columns) - 1
-    table_width = sum(widths) + last
+    table_width = sum(widths) + len(columns) - 1
     if table.title:
         title = (console.render_str(table.title, style=table.title_style or "table.title", highlight=False)
                  if isinstance(table.title, str) else table.title)
@@ -155,35 +211,66 @@ def _render(table: Table, console: Console, options: ConsoleOptions, widths: lis
     header_style = console.get_style(table.header_style or "")
     heads = [(console.render_str(str(c.header), highlight=False), header_style + console.get_style(c.header_style))
              for c in columns]
-    rows: list[list[tuple[Text, Style]]] = [heads]
     styles = [console.get_style(c.style or "") for c in columns]
-    cells = [[x for x in c.cells if isinstance(x, Text)] for c in columns]
-    rows += [[(x, styles[i]) for i, x in enumerate(row)] for row in zip(*cells, strict=True)]
     border = console.get_style(table.border_style or "")
-    for index, row in enumerate(rows):
-        divider = box.head_vertical if index == 0 else box.foot_vertical if index == len(rows) - 1 \
-            else box.mid_vertical
+    layout = _RowLayout(console, columns, widths, border)
+    yield from layout.lines(heads, box.head_vertical, header=True)
+    yield Segment(box.get_row(widths, "head", edge=False), border)
+    yield Segment.line()
+    if body.rows is None:
+        cells = [[x for x in c.cells if isinstance(x, Text)] for c in columns]
+        rows = list(zip(*cells, strict=True))
+        for index, row in enumerate(rows):
+            divider = box.foot_vertical if index == len(rows) - 1 else box.mid_vertical
+            yield from layout.lines([(x, styles[i]) for i, x in enumerate(row)], divider)
+        return
+    assert body.cells is not None
+    kinds = body.cells
+    # a row whose cells are printable text of one cell a character and fit, in columns and cells with no style, is
+    # one string: each cell padded to its width as _cell pads it, the dividers between (no style on any part of it)
+    plain_columns = all(not styles[i] and not k.style for i, k in enumerate(kinds))
+    right = [(k.justify or c.justify) == "right" for k, c in zip(kinds, columns, strict=True)]
+    contents = [w - (0 if i == len(widths) - 1 else 1) for i, w in enumerate(widths)]
+    for index, strings in enumerate(body.rows):
+        divider = box.foot_vertical if index == len(body.rows) - 1 else box.mid_vertical
+        if plain_columns and all(_one_cell_each(s) and _fits(s, len(s), w)
+                                 for s, w in zip(strings, contents, strict=True)):
+            yield Segment((" " + divider).join(s.rjust(w) if r else s.ljust(w)
+                                               for s, w, r in zip(strings, contents, right, strict=True)))
+            yield Segment.line()
+            continue
+        yield from layout.lines([(_as_text(s, kinds[i]), styles[i]) for i, s in enumerate(strings)], divider)
+
+
+@dataclasses.dataclass
+class _RowLayout:
+    """One row of cells laid out, line by line."""
+
+    console: Console
+    columns: list[Any]
+    widths: list[int]
+    border: Style
+
+    def lines(self, row: Sequence[tuple[Text, Style]], divider: str, *, header: bool = False) -> Iterator[Segment]:
+        last = len(self.columns) - 1
         rendered = []
         for i, (text, style) in enumerate(row):
             pad = 0 if i == last else 1
-            lines = _cell(console, text, widths[i] - pad, style, columns[i])
+            lines = _cell(self.console, text, self.widths[i] - pad, style, self.columns[i])
             rendered.append((lines, pad, style))
         height = max(len(lines) for lines, _, _ in rendered)
         for line_no in range(height):
             out: list[Segment] = []
             for i, (lines, pad, style) in enumerate(rendered):
-                content = widths[i] - pad
+                content = self.widths[i] - pad
                 # (rows align their cells at the top, the header at the bottom)
-                at = line_no - (height - len(lines)) if index == 0 else line_no
+                at = line_no - (height - len(lines)) if header else line_no
                 out += lines[at] if 0 <= at < len(lines) else [Segment(" " * content, style)]
                 if pad:
                     out.append(Segment(" " * pad, style))
                 if i != last:
-                    out.append(Segment(divider, border))
+                    out.append(Segment(divider, self.border))
             yield from _merged(out)
-            yield Segment.line()
-        if index == 0:
-            yield Segment(box.get_row(widths, "head", edge=False), border)
             yield Segment.line()
 
 
