@@ -236,11 +236,26 @@ def event_fields(con: duckdb.DuckDBPyConnection) -> list[str]:
     return [c for c in FIELD_NAMES if c in have or c in _EV_ALWAYS]
 
 
+def _event_value(name: str) -> str:
+    """An event field's value from its JSON text ``r.<name>`` (as DuckDB writes a parsed value back: a string
+    quoted, a number with "." or "e" where it has a fraction or exponent), typed as event_from_dict types it:
+    NULL where the value is of another JSON type (which makes the line json_logs' to read)."""
+    x = f"r.{name}::VARCHAR"
+    if name in INT_FIELDS:  # (an integer no 64-bit word holds fails the cast)
+        return (f"CASE WHEN strpos({x}, '.') = 0 AND strpos({x}, 'e') = 0 AND strpos({x}, 'E') = 0 "
+                f"THEN TRY_CAST({x} AS BIGINT) END")
+    if name in FLOAT_FIELDS:
+        return f"CASE WHEN left({x}, 1) NOT IN ('\"', 't', 'f', '{{', '[') THEN TRY_CAST({x} AS DOUBLE) END"
+    return f"CASE WHEN left({x}, 1) = '\"' THEN {_json_str(x)} END"
+
+
 def parse_events_sql(fields: Collection[str], *, stats: bool = True) -> list[str]:
     """Statements (after parse_json_sql): ``ev`` (a view of ``ev_t``, which holds the columns of ``fields``, the
     ones some line has: the others are NULL in every row), ``cs`` from lines_json, and ``json_odd``: the lines
     json_logs must read. Only the lines of an event's known key list are typed as events."""
-    schema = "{" + ", ".join(f'"{c}": "{_event_type(c)}"' for c in FIELD_NAMES if c in fields) + "}"
+    # (every field read as its JSON text in one parse, then typed: from_json's own typing would read "5" or true
+    # as an integer and 7 or ["x"] as a string, where json_logs counts the line corrupt and names the field)
+    schema = "{" + ", ".join(f'"{c}": "JSON"' for c in FIELD_NAMES if c in fields) + "}"
     attrs = ("""CASE WHEN json_type(j.attrs, '$.bidirectional_kv_xfer') = 'BOOLEAN'
                    THEN CAST(j.attrs ->> '$.bidirectional_kv_xfer' AS BOOLEAN) END AS attr_bidir,
               CASE WHEN json_type(j.attrs, '$.block_size') IN ('BIGINT', 'UBIGINT')
@@ -248,7 +263,11 @@ def parse_events_sql(fields: Collection[str], *, stats: bool = True) -> list[str
               CASE WHEN json_type(j.attrs, '$.decoder_kv_blocks_ttl') IN ('BIGINT', 'UBIGINT', 'DOUBLE')
                    THEN TRY_CAST(j.attrs ->> '$.decoder_kv_blocks_ttl' AS DOUBLE) END AS attr_ttl,"""
              if "attrs" in fields else "")
-    typed = ", ".join(f"j.{c} AS {c}" for c in EVENT_FIELDS if c in fields)
+    typed_fields = [c for c in EVENT_FIELDS if c in fields]
+    typed = ", ".join(f"j.{c} AS {c}" for c in typed_fields)
+    values = ", ".join(f"{_event_value(c)} AS {c}" for c in typed_fields)
+    # a value of the wrong JSON type: present (JSON null is no value), yet no typed value
+    wrong = " OR ".join(f"(r.{c} IS NOT NULL AND {_event_value(c)} IS NULL)" for c in typed_fields) or "false"
     if stats:
         stat_rows = f"SELECT f, n, {_STAT_COLUMNS} FROM jl WHERE {_STAT_ROW}"
     else:
@@ -262,9 +281,10 @@ def parse_events_sql(fields: Collection[str], *, stats: bool = True) -> list[str
         # the events' lines typed, the schema narrowed to the fields some line has (the CASE on the joined side
         # keeps the parse after the join)
         f"""CREATE TEMP TABLE ev_t AS SELECT f, n, NULL::VARCHAR AS text, {typed}, j.conversation_id AS cconv,
-              {attrs} {_event_ok(fields)} AS ok
-            FROM (SELECT l.f, l.n, from_json(CASE WHEN jk.known THEN {_trimmed('l.line')} END, '{schema}') AS j
-                  FROM lines_json l JOIN jl USING (f, n) JOIN jk USING (k) WHERE jk.is_event AND jk.known)""",
+              {attrs} NOT j.wrong AND {_event_ok(fields)} AS ok
+            FROM (SELECT f, n, {values}{', r.attrs AS attrs' if 'attrs' in fields else ''}, {wrong} AS wrong
+                  FROM (SELECT l.f, l.n, from_json(CASE WHEN jk.known THEN {_trimmed('l.line')} END, '{schema}') AS r
+                        FROM lines_json l JOIN jl USING (f, n) JOIN jk USING (k) WHERE jk.is_event AND jk.known)) j""",
         # everything else json_logs reads itself: the lines that are no JSON object, the events with a key the
         # schema does not know and those the checks reject (the few such lines are looked up, not the many good
         # ones anti-joined)

@@ -15,6 +15,8 @@ from kvdiag.diagnostics.linestats import LineStats, decode_line
 from kvdiag.schema.events import (
     EVENTS_BY_SOURCE,
     FLOAT_FIELDS,
+    INT64_MAX,
+    INT64_MIN,
     INT_FIELDS,
     NON_NEGATIVE,
     RELEASE_REASONS,
@@ -94,10 +96,6 @@ def _num(obj: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-INT64_MIN: Final = -(1 << 63)
-INT64_MAX: Final = (1 << 63) - 1
-
-
 def _int(obj: dict[str, Any], key: str) -> int | None:
     """The number truncated, when it is finite and a 64-bit integer holds it (a count past that is no count;
     json.loads reads Infinity, NaN and 1e400 too)."""
@@ -139,7 +137,7 @@ def fast_event(obj: dict[str, Any]) -> TurnEvent | None:
             if tp is not str:
                 return None
         elif kind == 0:
-            if tp is not int or (value < 0 and key in NON_NEGATIVE):
+            if tp is not int or (value < 0 and key in NON_NEGATIVE) or not INT64_MIN <= value <= INT64_MAX:
                 return None
         elif kind == 1:
             if tp is int:

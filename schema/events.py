@@ -162,12 +162,18 @@ STR_FIELDS: Final = frozenset({
 FIELD_NAMES: Final = tuple(f.name for f in fields(TurnEvent))
 _REQUIRED: Final = ("v", "ts", "source", "event")
 NON_NEGATIVE: Final = INT_FIELDS | (FLOAT_FIELDS - {"ts", "expiry_ts"})
+# an integer field holds a signed 64-bit word: what Parquet, Arrow and DuckDB store
+INT64_MIN: Final = -(1 << 63)
+INT64_MAX: Final = (1 << 63) - 1
 
 
 def _check_value(key: str, value: Any) -> Any:
     if key in INT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int):
             raise EventFormatError(f"expected an integer, got {value!r}", field_name=key)
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise EventFormatError(f"integer out of range (a signed 64-bit word holds it), got {value!r}",
+                                   field_name=key)
     elif key in FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise EventFormatError(f"expected a finite number, got {value!r}", field_name=key)

@@ -464,10 +464,11 @@ def test_a_statistic_whose_id_json_escapes_is_read_by_the_bulk_load(tmp_path: Pa
 # JSON values of every type where a statistic has a number or an id, and the literals json.loads reads beyond the
 # standard (NaN, Infinity, 1e400 as infinity) or past a 64-bit word: the engine once failed the whole run on an
 # integer past 2**63 (a CAST), json_logs on Infinity (int() of it), and json_logs took true for an id ("True")
-_STAT_VALUES = st.sampled_from(["0", "-3", "7.5", "1e3", "1E2", "-0.0", "true", "false", "null", '"12"', '""', "[1]",
+_STAT_LITERALS = ("0", "-3", "7.5", "1e3", "1E2", "-0.0", "true", "false", "null", '"12"', '""', "[1]",
                                 '{"a": 1}', "9223372036854775807", "9223372036854775808", "-9223372036854775809",
                                 "18446744073709551615", "18446744073709551616", "1.0e19", "NaN", "Infinity",
-                                "-Infinity", "1e400", "123456789012345678901234567890"])
+                                "-Infinity", "1e400", "123456789012345678901234567890")
+_STAT_VALUES = st.sampled_from(_STAT_LITERALS)
 _STAT_FIELDS = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
                 "output_num_tokens", "turn", "request_id")
 
@@ -500,3 +501,59 @@ def test_a_statistic_s_count_past_a_64_bit_word_is_no_count() -> None:
     assert flagged == []  # (true is no id)
     assert [r.conversation_id for r in parse_json_numbered([(1, b'{"conversation_id": 7, "ttft_ms": 1}')], "x")
             if isinstance(r, ClientStat)] == ["7"]
+
+
+# An event's fields hold values of every JSON type: the engine types each field from its JSON text, and a value of
+# another type than the schema's (a string or true for an integer, 5.5 for a count, 7 or ["x"] for an id) makes
+# the line json_logs', which counts it corrupt and names the field. DuckDB's own typing once read "5" and true as
+# integers and 7 or ["x"] as ids: a line the schema rejects became a turn, and nobody was told.
+_EVENT_FIELDS = ("conversation_id", "request_id", "turn", "prompt_tokens", "ttft_ms", "outcome", "attrs")
+_EVENT_VALUES = st.sampled_from([*_STAT_LITERALS, '"remote_hit"', '"c\\u00e9"', '"a\\"b"', '{"block_size": 16}'])
+
+
+def _events_both_ways(path: Path, columns: tuple[str, ...]
+                      ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], int, int]:
+    """The events of a JSON lines file as (line number, *columns), and the corrupt lines: the engine's, then
+    json_logs'."""
+    run = engine.new_run([LogFile(str(path), "events", "client")])
+    try:
+        engine.load_files(run)
+        engine.parse(run)
+        got = run.con.execute(f"SELECT n, {', '.join(columns)} FROM ev ORDER BY n").fetchall()
+        corrupt = run.stats.corrupt
+    finally:
+        run.con.close()
+    stats = LineStats()
+    numbered = list(enumerate(path.read_bytes().splitlines(), start=1))
+    want = [(r.lineno, *(getattr(r.event, c) for c in columns)) for r in parse_json_numbered(numbered, str(path),
+                                                                                            stats)
+            if isinstance(r, EventRecord)]
+    return got, want, corrupt, stats.corrupt
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.dictionaries(st.sampled_from(_EVENT_FIELDS), _EVENT_VALUES, max_size=3), min_size=1, max_size=5))
+def test_events_with_odd_values_equal_json_logs(tmp_path: Path, edits: list[dict[str, str]]) -> None:
+    base = {"v": "1", "ts": "1764400000.5", "source": '"client"', "event": '"client_turn"', "conversation_id": '"c"',
+            "turn": "1", "request_id": '"r"', "ttft_ms": "12.5", "prompt_tokens": "100"}
+    lines = ["{" + ", ".join(f'"{k}": {v}' for k, v in {**base, **edit}.items()) + "}" for edit in edits]
+    path = tmp_path / "client.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    columns = ("conversation_id", "request_id", "turn", "prompt_tokens", "ttft_ms", "outcome")
+    got, want, corrupt, want_corrupt = _events_both_ways(path, columns)
+    assert (got, corrupt) == (want, want_corrupt), lines
+
+
+def test_an_event_with_a_wrongly_typed_value_is_counted_corrupt_not_read(tmp_path: Path) -> None:
+    # the cases DuckDB's typing took, each on its own line after one good event; control: the good line is read
+    good = ('{"v": 1, "ts": 1764400000.5, "source": "client", "event": "client_turn", "conversation_id": "c", '
+            '"turn": 1, "request_id": "r"}')
+    odd = [good.replace('"turn": 1', '"turn": "2"'), good.replace('"turn": 1', '"turn": true'),
+           good.replace('"turn": 1', '"turn": 2.5'), good.replace('"conversation_id": "c"', '"conversation_id": 7'),
+           good.replace('"conversation_id": "c"', '"conversation_id": ["x"]'),
+           good.replace('"turn": 1', '"turn": 9223372036854775808')]
+    path = tmp_path / "client.jsonl"
+    path.write_text("\n".join([good, *odd]) + "\n", encoding="utf-8")
+    got, want, corrupt, want_corrupt = _events_both_ways(path, ("conversation_id", "turn"))
+    assert got == want == [(1, "c", 1)]
+    assert corrupt == want_corrupt == len(odd)
