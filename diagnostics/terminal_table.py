@@ -31,9 +31,9 @@ class QuickTable:
     texts, laid out by hand; any other table is laid out by rich.
 
     ``rows`` (optional, for a table given with its columns only): the body as plain strings, the ``i``-th cell of
-    a row a copy of ``cells[i]`` (its style, justify and wrapping) holding that string. A printable ASCII row that
-    fits its columns is then laid out as one string, without a Text per cell: the rows are added to the table only
-    if rich lays it out."""
+    a row a copy of ``cells[i]`` (its style, justify and wrapping) holding that string. A row of printable one-cell
+    characters that fits its columns is then laid out as one string, without a Text per cell: the rows are added
+    to the table only if rich lays it out."""
 
     def __init__(self, table: Table, rows: Sequence[Sequence[str]] | None = None,
                  cells: Sequence[Text] | None = None) -> None:
