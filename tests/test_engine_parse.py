@@ -511,18 +511,22 @@ _EVENT_FIELDS = ("conversation_id", "request_id", "turn", "prompt_tokens", "ttft
 _EVENT_VALUES = st.sampled_from([*_STAT_LITERALS, '"remote_hit"', '"c\\u00e9"', '"a\\"b"', '{"block_size": 16}'])
 
 
-def _events_both_ways(path: Path, columns: tuple[str, ...]
-                      ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], int, int]:
-    """The events of a JSON lines file as (line number, *columns), and the corrupt lines: the engine's, then
-    json_logs'."""
+def _engine_events(path: Path, columns: tuple[str, ...]) -> tuple[list[tuple[Any, ...]], int]:
+    """The engine's events of a JSON lines file as (line number, *columns) of ev, and its corrupt lines."""
     run = engine.new_run([LogFile(str(path), "events", "client")])
     try:
         engine.load_files(run)
         engine.parse(run)
-        got = run.con.execute(f"SELECT n, {', '.join(columns)} FROM ev ORDER BY n").fetchall()
-        corrupt = run.stats.corrupt
+        return run.con.execute(f"SELECT n, {', '.join(columns)} FROM ev ORDER BY n").fetchall(), run.stats.corrupt
     finally:
         run.con.close()
+
+
+def _events_both_ways(path: Path, columns: tuple[str, ...]
+                      ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], int, int]:
+    """The events of a JSON lines file as (line number, *columns), and the corrupt lines: the engine's, then
+    json_logs'."""
+    got, corrupt = _engine_events(path, columns)
     stats = LineStats()
     numbered = list(enumerate(path.read_bytes().splitlines(), start=1))
     want = [(r.lineno, *(getattr(r.event, c) for c in columns)) for r in parse_json_numbered(numbered, str(path),
@@ -557,3 +561,21 @@ def test_an_event_with_a_wrongly_typed_value_is_counted_corrupt_not_read(tmp_pat
     got, want, corrupt, want_corrupt = _events_both_ways(path, ("conversation_id", "turn"))
     assert got == want == [(1, "c", 1)]
     assert corrupt == want_corrupt == len(odd)
+
+
+@pytest.mark.parametrize("block, ttl", [(16, 480), (1 << 63, 1 << 70), (1 << 64, 10 ** 400), (-(1 << 63) - 1, 2.5)],
+                         ids=["in range", "past int64", "past uint64 and a double", "below int64"])
+def test_an_event_s_attrs_read_as_json_logs_reads_them_as_the_sql_does(tmp_path: Path, block: int, ttl: float) -> None:
+    # the same event on a line of its own (the SQL types it) and in an array line (json_logs reads it): the same
+    # attrs values. An integer past a 64-bit word once failed the whole run where Python read it (a DuckDB
+    # conversion error on insert), and one past a double's range would have (float() of it)
+    event = {"v": 1, "ts": 1.0, "source": "decode", "event": "decode_request", "conversation_id": "c", "turn": 1,
+             "request_id": "r", "attrs": {"block_size": block, "decoder_kv_blocks_ttl": ttl,
+                                          "bidirectional_kv_xfer": True}}
+    path = tmp_path / "decode-events.jsonl"
+    path.write_text(json.dumps(event) + "\n" + json.dumps([{**event, "turn": 2}]) + "\n", encoding="utf-8")
+    got, corrupt = _engine_events(path, ("turn", "attr_block_size", "attr_ttl", "attr_bidir"))
+    expect_block = block if -(1 << 63) <= block < (1 << 63) else None
+    expect_ttl = float("inf") if ttl == 10 ** 400 else float(ttl)
+    assert got == [(1, 1, expect_block, expect_ttl, True), (2, 2, expect_block, expect_ttl, True)]
+    assert corrupt == 0
