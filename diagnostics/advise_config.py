@@ -222,7 +222,7 @@ def _scan_events(cfg: DeploymentConfig, path: Path, role: Role) -> None:
 def _from_json(cfg: DeploymentConfig, line: str, role: Role, where: str) -> None:
     try:
         obj = json.loads(line)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # (not JSON; an integer past 4300 digits; deep nesting)
         return
     if isinstance(obj, dict):
         _from_event(cfg, obj, role, where)

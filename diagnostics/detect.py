@@ -121,7 +121,7 @@ def sniff_format(head: bytes) -> str:
         if line.startswith("{"):
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # (not JSON; an integer past 4300 digits; deep nesting)
                 continue
             if isinstance(obj, dict) and {"v", "source", "event"} <= obj.keys():
                 votes["events"] += 1
@@ -150,7 +150,7 @@ def _is_json_array(text: str) -> bool:
         return False
     try:
         first, _ = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         # an element longer than the sniffed head is cut: a quoted key still says JSON
         return re.match(r'\{\s*"', body) is not None
     return isinstance(first, dict)

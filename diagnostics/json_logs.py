@@ -89,11 +89,14 @@ EPOCH_MS_FLOOR: Final = 1e12
 
 def _num(obj: dict[str, Any], key: str) -> float | None:
     value = obj.get(key)
-    if type(value) is float or type(value) is int:  # the JSON decoder's own types: skip the slower checks
-        return float(value)
+    if type(value) is float:  # the JSON decoder's own type: skip the slower checks
+        return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer literal past a double's range: infinite, as DuckDB reads it
+        return math.inf if value > 0 else -math.inf
 
 
 def _int(obj: dict[str, Any], key: str) -> int | None:
@@ -213,7 +216,7 @@ def parse_json_numbered(numbered: Iterable[tuple[int, bytes | str]], path: str =
         stats.lines += 1
         try:
             obj = json.loads(text) if ok else None
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # (an integer past 4300 digits is a ValueError, not a decode error)
             obj = None
         if obj is None:
             stats.corrupt += 1
@@ -251,7 +254,7 @@ def parse_json_document(data: bytes, path: str, stats: LineStats | None = None) 
     text = data.decode("utf-8", errors="replace")
     try:
         doc = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         stats.corrupt += 1
         stats.note(path, 1, "not a valid JSON document")
         return
@@ -297,6 +300,6 @@ def _element_lines(text: str, key: str | None, count: int) -> list[int]:
             seen = pos
             out.append(line)
             _, pos = decoder.raw_decode(text, pos)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return []
     return out

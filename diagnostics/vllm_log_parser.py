@@ -306,7 +306,7 @@ def parse_vllm_numbered(numbered: Iterable[tuple[int, bytes | str]], path: str =
         pid = m.group("pid")
         current = VllmRecord(path=path, lineno=lineno, level=m.group("lvl"), ts=m.group("ts"),
                              fileinfo=f"{m.group('file')}:{m.group('line')}", msg=msg, proc=m.group("proc"),
-                             pid=int(pid) if pid else None)
+                             pid=int(pid) if pid and len(pid) <= 18 else None)  # (no 4300-digit int())
         stats.records += 1
         continued = ends_cr
     if current is not None:

@@ -243,7 +243,7 @@ def parse_event(line: str | bytes, *, path: str | None = None, lineno: int | Non
     """Parse one JSON line into a TurnEvent; raise EventFormatError naming path/line/field."""
     try:
         obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # (not JSON or UTF-8; an integer past 4300 digits; deep nesting)
         raise EventFormatError(f"not valid JSON ({exc}); each line must be one JSON object",
                                path=path, line=lineno) from None
     try:

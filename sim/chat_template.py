@@ -76,7 +76,7 @@ def _parse_arguments(raw: Any) -> Any:
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (not JSON; an integer past 4300 digits; deep nesting)
             parsed = None
     return parsed if isinstance(parsed, dict) else {}
 

@@ -111,7 +111,7 @@ async def send_chat(session: aiohttp.ClientSession, url: str, payload: dict[str,
                     result.status = "error"
                     try:
                         result.error = _error_text(json.loads(raw))
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):
                         result.error = raw[:300]
                 elif stream:
                     await _read_stream(resp, result, started, disconnect_after_first, first_output)

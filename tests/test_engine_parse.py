@@ -462,12 +462,13 @@ def test_a_statistic_whose_id_json_escapes_is_read_by_the_bulk_load(tmp_path: Pa
 
 
 # JSON values of every type where a statistic has a number or an id, and the literals json.loads reads beyond the
-# standard (NaN, Infinity, 1e400 as infinity) or past a 64-bit word: the engine once failed the whole run on an
-# integer past 2**63 (a CAST), json_logs on Infinity (int() of it), and json_logs took true for an id ("True")
-_STAT_LITERALS = ("0", "-3", "7.5", "1e3", "1E2", "-0.0", "true", "false", "null", '"12"', '""', "[1]",
-                                '{"a": 1}', "9223372036854775807", "9223372036854775808", "-9223372036854775809",
-                                "18446744073709551615", "18446744073709551616", "1.0e19", "NaN", "Infinity",
-                                "-Infinity", "1e400", "123456789012345678901234567890")
+# standard (NaN, Infinity, 1e400 as infinity) or past a 64-bit word or a double: the engine once failed the whole
+# run on an integer past 2**63 (a CAST), json_logs on Infinity (int() of it) and on an integer literal past a
+# double's range (float() of it), and json_logs took true for an id ("True")
+_STAT_LITERALS = ("0", "-3", "7.5", "1e3", "1E2", "-0.0", "true", "false", "null", '"12"', '""', "[1]", '{"a": 1}',
+                  "9223372036854775807", "9223372036854775808", "-9223372036854775809", "18446744073709551615",
+                  "18446744073709551616", "1.0e19", "NaN", "Infinity", "-Infinity", "1e400",
+                  "123456789012345678901234567890", "1" + "0" * 400, "-1" + "0" * 400)
 _STAT_VALUES = st.sampled_from(_STAT_LITERALS)
 _STAT_FIELDS = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
                 "output_num_tokens", "turn", "request_id")
