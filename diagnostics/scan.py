@@ -9,6 +9,7 @@ Every backend keeps the same lines, numbered by ``\n`` as grep numbers them.
 from __future__ import annotations
 
 import functools
+import json
 import mmap
 import os
 import re
@@ -457,9 +458,21 @@ def _grep_chunks(path: str, pattern: re.Pattern[bytes], progress: ProgressFn | N
 
 
 def is_json_document(path: str) -> bool:
-    """True for a client-statistics file that is one JSON document (an array), not JSON lines."""
+    """True for a client-statistics file that is one JSON document (an array), not JSON lines (whose first line may
+    be a whole array too: records written a batch to a line; more lines follow it)."""
     with open_binary(path) as fh:
-        return fh.read(4096).lstrip().startswith(b"[")
+        head = fh.read(4096)
+        if not head.lstrip().startswith(b"["):
+            return False
+        fh.seek(len(head) - len(head.lstrip()))
+        first = fh.readline(1 << 20)
+        if not first.endswith(b"\n") or not fh.read(4096).strip():
+            return True  # (one line, or one over a megabyte: read whole either way)
+    try:
+        json.loads(first)
+    except (ValueError, RecursionError):
+        return True  # (a pretty-printed document's first line is no whole value)
+    return False
 
 
 def read_all_lines(path: str, progress: ProgressFn | None = None) -> Iterator[tuple[int, bytes]]:

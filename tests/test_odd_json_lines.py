@@ -1,8 +1,10 @@
-"""A number of thousands of digits, or JSON nested thousands deep, in a log line is one corrupt line, not a crash.
+"""JSON lines that are odd but legal, or hostile, are read or counted, never a crash.
 
-Python's ``json.loads`` raises ValueError (not JSONDecodeError) for an integer past 4300 digits, and ``int()``
-of such a digit string does too; deep nesting raises RecursionError. Every reader of log lines catches both: the
-line is counted and skipped (or read without that value), and the rest of the file is read.
+A number of thousands of digits, or JSON nested thousands deep: Python's ``json.loads`` raises ValueError (not
+JSONDecodeError) for an integer past 4300 digits, and ``int()`` of such a digit string does too; deep nesting
+raises RecursionError. Every reader of log lines catches both: the line is counted and skipped (or read without
+that value), and the rest of the file is read. A JSON lines file whose first line is a whole array is JSON lines,
+not one document.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvdiag.diagnostics import verdict_engine as engine
 from kvdiag.diagnostics.detect import LogFile, detect, sniff_format
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.scan import is_json_document
 from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 from kvdiag.schema.events import EventFormatError, parse_event
 
@@ -76,3 +79,27 @@ def test_a_vllm_line_with_a_huge_pid_is_read() -> None:
     (rec,) = parse_vllm_numbered([(1, line.encode())], "p.log")
     assert (rec.proc, rec.pid, rec.msg) == ("EngineCore_DP0", None, "hello")
     assert not isinstance(rec, EventRecord)
+
+
+def test_json_lines_whose_first_line_is_an_array_are_not_one_document(tmp_path: Path) -> None:
+    # records written a batch to a line: the first line is a whole array and more lines follow. It was taken for
+    # one --stats-json-output document, which it is not, and the whole file was one corrupt line
+    path = tmp_path / "decode-events.jsonl"
+    first = {**EVENT, "source": "decode", "event": "decode_request"}
+    path.write_text(json.dumps([first, {**first, "turn": 2}]) + "\n" + json.dumps({**first, "turn": 3}) + "\n",
+                    encoding="utf-8")
+    assert not is_json_document(str(path))
+    (f,) = detect([str(path)])
+    run = engine.new_run([f])
+    try:
+        engine.load_files(run)
+        engine.parse(run)
+        assert run.con.execute("SELECT turn FROM ev ORDER BY n, turn").fetchall() == [(1,), (2,), (3,)]
+        assert run.stats.corrupt == 0
+    finally:
+        run.con.close()
+    # documents stay documents: pretty-printed, on one line, and one whose first line is longer than the sniff
+    stat = {"conversation_id": "c", "ttft_ms": 5.0}
+    for text in (json.dumps([stat, stat], indent=2), json.dumps([stat, stat]), json.dumps([stat] * 500) + "\n"):
+        path.write_text(text, encoding="utf-8")
+        assert is_json_document(str(path)), text[:40]
