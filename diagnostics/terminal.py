@@ -31,7 +31,7 @@ from kvdiag.diagnostics.humanize import (
 )
 from kvdiag.diagnostics.records import ConversationRecord, ConversationSummary, TurnRecord
 from kvdiag.diagnostics.terminal_safe import safe_console
-from kvdiag.diagnostics.terminal_table import QuickTable, quick
+from kvdiag.diagnostics.terminal_table import QuickTable
 from kvdiag.schema.verdicts import TRIM_INFO, Confidence, TrimInfo, TrimReason
 
 INFERRED_MARK: Final = "*"
@@ -296,15 +296,13 @@ def explain_all_renderables(convs: Sequence[ConversationSummary], *, wide: bool 
     table.add_column("conversation", overflow="fold")
     table.add_column("turns", justify="right", no_wrap=True)
     table.add_column("verdicts", overflow="fold")
-    if wide:
-        for c in convs:
-            verdicts = " ".join(f"{turn}:{v.value}" for turn, v in zip(c.turns, c.verdicts, strict=True))
-            table.add_row(Text(c.conversation_id), cell(str(len(c.turns))), Text(verdicts))
-        return quick([summary, table])
     # (one row per conversation, tens of thousands: kept as strings, laid out without a Text per cell)
-    rows = [(c.conversation_id, str(len(c.turns)),
-             # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
-             " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(v.value for v in c.verdicts))) for c in convs]
+    if wide:
+        rows = [(c.conversation_id, str(len(c.turns)),
+                 " ".join(f"{turn}:{v.value}" for turn, v in zip(c.turns, c.verdicts, strict=True))) for c in convs]
+    else:  # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
+        rows = [(c.conversation_id, str(len(c.turns)),
+                 " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(v.value for v in c.verdicts))) for c in convs]
     return [QuickTable(summary), QuickTable(table, rows, (Text(), cell(""), Text()))]
 
 

@@ -4,8 +4,9 @@ rich measures every cell of a table, then renders every cell through its generic
 row. ``explain --all`` prints one row per conversation (36,311 rows for a gigabyte of logs: half a minute of
 printing after fifteen seconds of analysis), and a long agent conversation one row per turn. :class:`QuickTable`
 asks rich only for the column widths, from a table holding the few cells that decide them, and lays out each
-row itself. Tables it was not written for (borders, row styles, sections, fixed widths...) are rich's to lay out.
-``explain --all``'s rows are given as plain strings: one that fits is one padded string, with no Text made for it.
+row itself: compact tables (no edge, collapsed padding) and rich's default boxed table (edges, padding on every
+side). Tables it was not written for (lines between rows, row styles, sections, fixed widths...) are rich's to lay
+out. ``explain --all``'s rows are given as plain strings: one that fits is one padded string, with no Text made for it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ _JUSTIFY: Final = ("left", "right", "default")
 
 
 class QuickTable:
-    """A compact rich table (no edge, one space of padding, collapsed, no row styles or sections) whose cells are
-    texts, laid out by hand; any other table is laid out by rich.
+    """A compact rich table (no edge, one space of padding, collapsed) or a boxed one (rich's default: edges, one
+    space of padding each side), no row styles or sections, whose cells are texts, laid out by hand; any other table
+    is laid out by rich.
 
     ``rows`` (optional, for a table given with its columns only): the body as plain strings, the ``i``-th cell of
     a row a copy of ``cells[i]`` (its style, justify and wrapping) holding that string. A row of printable one-cell
@@ -65,7 +67,7 @@ class QuickTable:
         except (AttributeError, TypeError):
             yield self.table
             return
-        if any(w < (1 if i == len(widths) - 1 else 2) for i, w in enumerate(widths)):
+        if any(w < left + right + 1 for w, (left, right) in zip(widths, _pads(table), strict=True)):
             yield self.table  # (a column squeezed to nothing on a page too narrow: rich's own corner cases)
             return
         yield from _render(table, body, console, options, widths)
@@ -99,12 +101,25 @@ def _as_text(plain: str, kind: Text) -> Text:
     return Text(plain, style=kind.style, justify=kind.justify, overflow=kind.overflow, no_wrap=kind.no_wrap)
 
 
+def _pads(table: Table) -> list[tuple[int, int]]:
+    """Each column's (left, right) padding, as rich pads its cells (for the tables _handled takes)."""
+    last = len(table.columns) - 1
+    return [(1, 1) if table.pad_edge else (0, 0 if i == last else 1) for i in range(last + 1)]
+
+
+def _extra(table: Table) -> int:
+    """The table's width beyond its columns': the dividers between them, and the edges."""
+    return len(table.columns) - 1 + (2 if table.show_edge else 0)
+
+
 def _handled(table: Table) -> bool:
     columns = table.columns
     return bool(
-        columns and table.box is not None and table.show_header and not table.show_footer and not table.show_edge
-        and not table.show_lines and not table.leading and not table.pad_edge and table.collapse_padding
-        and tuple(table.padding) == (0, 1, 0, 1) and not table.expand and table.width is None
+        columns and table.box is not None and table.show_header and not table.show_footer
+        # (compact: no edge, padding collapsed, none at the edges; or rich's default: edges, padding on every side)
+        and (table.show_edge, table.pad_edge, table.collapse_padding) in ((False, False, True), (True, True, False))
+        and not table.show_lines and not table.leading and tuple(table.padding) == (0, 1, 0, 1)
+        and not table.expand and table.width is None
         and table.min_width is None and not table.caption and not table.row_styles and str(table.style) in ("", "none")
         and not table.border_style and isinstance(table.title, (str, Text, type(None)))
         and not any(row.style or row.end_section for row in table.rows)
@@ -151,9 +166,8 @@ def _widths(table: Table, body: _Body, console: Console, options: ConsoleOptions
         sizes = [_measure(x) for x in plains]
         keep = sorted({max(range(len(plains)), key=lambda k: sizes[k][m]) for m in (0, 1)}) if plains else []
         reduced.columns.append(dataclasses.replace(column, _cells=[body.text(i, k, texts) for k in keep]))
-    extra = len(table.columns) - 1  # (the dividers between columns)
     widths: list[int] = reduced._calculate_column_widths(  # (rich private: see _widths above)
-        console, options.update_width(options.max_width - extra))
+        console, options.update_width(options.max_width - _extra(table)))
     return widths
 
 
@@ -202,7 +216,7 @@ def _render(table: Table, body: _Body, console: Console, options: ConsoleOptions
         if table.box is not None else None
     assert box is not None  # (checked by _handled)
     columns = table.columns
-    table_width = sum(widths) + len(columns) - 1
+    table_width = sum(widths) + _extra(table)
     if table.title:
         title = (console.render_str(table.title, style=table.title_style or "table.title", highlight=False)
                  if isinstance(table.title, str) else table.title)
@@ -213,16 +227,34 @@ def _render(table: Table, body: _Body, console: Console, options: ConsoleOptions
              for c in columns]
     styles = [console.get_style(c.style or "") for c in columns]
     border = console.get_style(table.border_style or "")
-    layout = _RowLayout(console, columns, widths, border)
-    yield from layout.lines(heads, box.head_vertical, header=True)
-    yield Segment(box.get_row(widths, "head", edge=False), border)
+    edge = table.show_edge
+    pads = _pads(table)
+    layout = _RowLayout(console, columns, widths, pads, border, edge)
+    if edge:
+        yield Segment(box.get_top(widths), border)
+        yield Segment.line()
+    yield from layout.lines(heads, (box.head_left, box.head_vertical, box.head_right), header=True)
+    yield Segment(box.get_row(widths, "head", edge=edge), border)
     yield Segment.line()
+    yield from _body(table, body, layout, box, styles)
+    if edge:
+        yield Segment(box.get_bottom(widths), border)
+        yield Segment.line()
+
+
+def _body(table: Table, body: _Body, layout: _RowLayout, box: Any, styles: list[Style]) -> Iterator[Segment]:
+    """The rows, each as rich lays it out (the last one's dividers are the foot's)."""
+    columns, widths, pads, edge = table.columns, layout.widths, layout.pads, layout.edge
+    count = len(body.rows) if body.rows is not None else table.row_count
+
+    def bars(index: int) -> tuple[str, str, str]:
+        return ((box.foot_left, box.foot_vertical, box.foot_right) if index == count - 1
+                else (box.mid_left, box.mid_vertical, box.mid_right))
+
     if body.rows is None:
         cells = [[x for x in c.cells if isinstance(x, Text)] for c in columns]
-        rows = list(zip(*cells, strict=True))
-        for index, row in enumerate(rows):
-            divider = box.foot_vertical if index == len(rows) - 1 else box.mid_vertical
-            yield from layout.lines([(x, styles[i]) for i, x in enumerate(row)], divider)
+        for index, row in enumerate(zip(*cells, strict=True)):
+            yield from layout.lines([(x, styles[i]) for i, x in enumerate(row)], bars(index))
         return
     assert body.cells is not None
     kinds = body.cells
@@ -230,16 +262,17 @@ def _render(table: Table, body: _Body, console: Console, options: ConsoleOptions
     # one string: each cell padded to its width as _cell pads it, the dividers between (no style on any part of it)
     plain_columns = all(not styles[i] and not k.style for i, k in enumerate(kinds))
     right = [(k.justify or c.justify) == "right" for k, c in zip(kinds, columns, strict=True)]
-    contents = [w - (0 if i == len(widths) - 1 else 1) for i, w in enumerate(widths)]
+    contents = [w - left - pad for w, (left, pad) in zip(widths, pads, strict=True)]
     for index, strings in enumerate(body.rows):
-        divider = box.foot_vertical if index == len(body.rows) - 1 else box.mid_vertical
+        left_bar, divider, right_bar = bars(index)
         if plain_columns and all(_one_cell_each(s) and _fits(s, len(s), w)
                                  for s, w in zip(strings, contents, strict=True)):
-            yield Segment((" " + divider).join(s.rjust(w) if r else s.ljust(w)
-                                               for s, w, r in zip(strings, contents, right, strict=True)))
+            line = divider.join(" " * lp + (s.rjust(w) if r else s.ljust(w)) + " " * rp
+                                for s, w, r, (lp, rp) in zip(strings, contents, right, pads, strict=True))
+            yield Segment(left_bar + line + right_bar if edge else line)
             yield Segment.line()
             continue
-        yield from layout.lines([(_as_text(s, kinds[i]), styles[i]) for i, s in enumerate(strings)], divider)
+        yield from layout.lines([(_as_text(s, kinds[i]), styles[i]) for i, s in enumerate(strings)], bars(index))
 
 
 @dataclasses.dataclass
@@ -249,27 +282,35 @@ class _RowLayout:
     console: Console
     columns: list[Any]
     widths: list[int]
+    pads: list[tuple[int, int]]
     border: Style
+    edge: bool
 
-    def lines(self, row: Sequence[tuple[Text, Style]], divider: str, *, header: bool = False) -> Iterator[Segment]:
+    def lines(self, row: Sequence[tuple[Text, Style]], bars: tuple[str, str, str], *, header: bool = False
+              ) -> Iterator[Segment]:
+        """The row's lines; ``bars``: the left edge, the divider between cells and the right edge."""
         last = len(self.columns) - 1
         rendered = []
         for i, (text, style) in enumerate(row):
-            pad = 0 if i == last else 1
-            lines = _cell(self.console, text, self.widths[i] - pad, style, self.columns[i])
-            rendered.append((lines, pad, style))
-        height = max(len(lines) for lines, _, _ in rendered)
+            left, right = self.pads[i]
+            lines = _cell(self.console, text, self.widths[i] - left - right, style, self.columns[i])
+            rendered.append((lines, left, right, style))
+        height = max(len(lines) for lines, _, _, _ in rendered)
         for line_no in range(height):
-            out: list[Segment] = []
-            for i, (lines, pad, style) in enumerate(rendered):
-                content = self.widths[i] - pad
+            out: list[Segment] = [Segment(bars[0], self.border)] if self.edge else []
+            for i, (lines, left, right, style) in enumerate(rendered):
+                content = self.widths[i] - left - right
+                if left:
+                    out.append(Segment(" " * left, style))
                 # (rows align their cells at the top, the header at the bottom)
                 at = line_no - (height - len(lines)) if header else line_no
                 out += lines[at] if 0 <= at < len(lines) else [Segment(" " * content, style)]
-                if pad:
-                    out.append(Segment(" " * pad, style))
+                if right:
+                    out.append(Segment(" " * right, style))
                 if i != last:
-                    out.append(Segment(divider, self.border))
+                    out.append(Segment(bars[1], self.border))
+            if self.edge:
+                out.append(Segment(bars[2], self.border))
             yield from _merged(out)
             yield Segment.line()
 
@@ -288,8 +329,3 @@ def _merged(line: list[Segment]) -> Iterator[Segment]:
         texts.append(seg.text)
     if texts:
         yield Segment("".join(texts), style)
-
-
-def quick(tables: Sequence[RenderableType]) -> list[RenderableType]:
-    """Each rich table of ``tables`` laid out by hand where :class:`QuickTable` can (the others as they are)."""
-    return [QuickTable(t) if isinstance(t, Table) else t for t in tables]

@@ -67,7 +67,8 @@ def _styled(parts: list[RenderableType], width: int) -> list[list[tuple[str, str
     out = []
     for part in parts:
         for line in console.render_lines(part, console.options, pad=False):
-            out.append([(ch, str(seg.style)) for seg in line for ch in seg.text if not ch.isspace()])
+            # (no style and the null style print alike)
+            out.append([(ch, str(seg.style or "none")) for seg in line for ch in seg.text if not ch.isspace()])
     return out
 
 
@@ -138,8 +139,9 @@ def test_the_turn_table_reads_as_rich_lays_it_out(title: str | None, rows: list[
 
 
 def test_a_compact_table_is_laid_out_by_hand() -> None:
-    # the hand layout is what runs (else the comparisons here would compare rich with rich), narrow pages included;
-    # a table with borders is rich's, and so is one squeezed until a column has no room left
+    # the hand layout is what runs (else the comparisons here would compare rich with rich), narrow pages included,
+    # and for rich's default boxed table too; a table with a line between rows is rich's, and so is one squeezed
+    # until a column has no room left
     table = _table("conversation c1", [["1", "09:11:06", "153 ms", "first_turn"]], [""])
     for width in (80, 30):  # (30: the verdict cut with an ellipsis)
         console = Console(width=width)
@@ -150,7 +152,10 @@ def test_a_compact_table_is_laid_out_by_hand() -> None:
     boxed = Table("a", "b")
     boxed.add_row(Text("1"), Text("2"))
     console = Console(width=80)
-    assert any(isinstance(part, Table) for part in QuickTable(boxed).__rich_console__(console, console.options))
+    assert not any(isinstance(part, Table) for part in QuickTable(boxed).__rich_console__(console, console.options))
+    lined = Table("a", "b", show_lines=True)
+    lined.add_row(Text("1"), Text("2"))
+    assert any(isinstance(part, Table) for part in QuickTable(lined).__rich_console__(console, console.options))
 
 
 _ID = st.text(alphabet=st.sampled_from("abcdef0123456789-_:/é界 "), min_size=1, max_size=70)
@@ -208,6 +213,43 @@ def test_plain_rows_read_as_rich_lays_out_their_texts(rows: list[tuple[str, int,
     assert render_text([quick_table], width) == render_text([rich_table], width)
     assert _styled([quick_table], width) == _styled([rich_table], width)
     assert len(quick_table.table.rows) == len(rows)  # (rich's table, rows added, for whoever lays it out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(_PLAIN_ID, st.integers(min_value=1, max_value=10**6), _VERDICTS), min_size=0,
+                     max_size=10),
+       width=st.integers(min_value=12, max_value=160), title=st.sampled_from([None, "36311 conversations"]),
+       turns_style=st.sampled_from(["", "red"]), plain=st.booleans())
+def test_a_boxed_table_reads_as_rich_lays_it_out(rows: list[tuple[str, int, str]], width: int, title: str | None,
+                                                 turns_style: str, plain: bool) -> None:
+    # explain --all --wide's table: rich's default (heavy head, edges, padding on every side), its rows as Texts or
+    # as plain strings
+    def columns() -> Table:
+        table = Table(title=title)
+        table.add_column("conversation", overflow="fold")
+        table.add_column("turns", justify="right", no_wrap=True)
+        table.add_column("verdicts", overflow="fold")
+        return table
+
+    reference = columns()
+    strings = [(conversation, str(turns), verdicts) for conversation, turns, verdicts in rows]
+    for row in strings:
+        reference.add_row(Text(row[0]), cell(row[1], turns_style), Text(row[2]))
+    if plain:
+        quick_table = QuickTable(columns(), strings, (Text(), cell("", turns_style), Text()))
+    else:
+        texts = columns()
+        for row in strings:
+            texts.add_row(Text(row[0]), cell(row[1], turns_style), Text(row[2]))
+        quick_table = QuickTable(texts)
+    assert render_text([quick_table], width) == render_text([reference], width)
+    assert _styled([quick_table], width) == _styled([reference], width)
+    ascii_out = []
+    for part in (quick_table, reference):
+        buf = _AsciiFile()
+        Console(file=buf, width=width, color_system=None).print(part)
+        ascii_out.append(buf.getvalue())
+    assert ascii_out[0] == ascii_out[1]
 
 
 def test_plain_rows_that_fit_are_one_string_each() -> None:
