@@ -19,13 +19,12 @@ itself, which yields the record or the corrupt-line note explain prints.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Final
 
 from kvdiag.diagnostics import vllm_log_parser as vllm_log
-from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
+from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, json_double, parse_json_numbered
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
 from kvdiag.schema.events import (
     EVENTS_BY_SOURCE,
@@ -341,7 +340,7 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
                 block = attrs.get("block_size")
                 ttl = attrs.get("decoder_kv_blocks_ttl")
                 events.append((f, rec.lineno, rec.text, *(getattr(e, c) for c in EVENT_FIELDS), e.conversation_id,
-                               bidir if isinstance(bidir, bool) else None, _attr_int(block), _attr_double(ttl)))
+                               bidir if isinstance(bidir, bool) else None, _attr_int(block), json_double(ttl)))
             elif isinstance(rec, ClientStat):
                 # a JSON array on one line holds several records: ``sub`` tells them apart
                 sub = seen.get((f, rec.lineno), 0)
@@ -356,16 +355,6 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
 def _attr_int(value: object) -> int | None:
     """An attrs integer as the SQL read types it: a JSON integer a 64-bit word holds, else none."""
     return value if isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX else None
-
-
-def _attr_double(value: object) -> float | None:
-    """An attrs number as the SQL read types it: an integer past a double's range is infinite, as DuckDB casts it."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
 
 
 def _append_events(con: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]) -> list[str]:

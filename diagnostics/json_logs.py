@@ -87,16 +87,21 @@ class ClientStat:
 EPOCH_MS_FLOOR: Final = 1e12
 
 
-def _num(obj: dict[str, Any], key: str) -> float | None:
-    value = obj.get(key)
+def json_double(value: object) -> float | None:
+    """A decoded JSON number as a double, as DuckDB reads it (an integer literal past a double's range is
+    infinite); None for anything else (a bool is no number)."""
     if type(value) is float:  # the JSON decoder's own type: skip the slower checks
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     try:
         return float(value)
-    except OverflowError:  # an integer literal past a double's range: infinite, as DuckDB reads it
+    except OverflowError:
         return math.inf if value > 0 else -math.inf
+
+
+def _num(obj: dict[str, Any], key: str) -> float | None:
+    return json_double(obj.get(key))
 
 
 def _int(obj: dict[str, Any], key: str) -> int | None:

@@ -289,20 +289,20 @@ def explain_all_renderables(convs: Sequence[ConversationSummary], *, wide: bool 
     summary.add_column("turns", justify="right", no_wrap=True)
     for name, n in counts.most_common():
         summary.add_row(cell(name), cell(human_count(n)))
-    if wide:
-        table = Table(title=f"{len(convs)} conversations, worst first")
-    else:
-        table = compact_table(f"{len(convs):,} conversations, worst first")
+    table = (compact_table(f"{len(convs):,} conversations, worst first") if not wide
+             else Table(title=f"{len(convs)} conversations, worst first"))
     table.add_column("conversation", overflow="fold")
     table.add_column("turns", justify="right", no_wrap=True)
     table.add_column("verdicts", overflow="fold")
+
+    def verdicts(c: ConversationSummary) -> str:
+        if wide:
+            return " ".join(f"{turn}:{v.value}" for turn, v in zip(c.turns, c.verdicts, strict=True))
+        # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
+        return " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(v.value for v in c.verdicts))
+
     # (one row per conversation, tens of thousands: kept as strings, laid out without a Text per cell)
-    if wide:
-        rows = [(c.conversation_id, str(len(c.turns)),
-                 " ".join(f"{turn}:{v.value}" for turn, v in zip(c.turns, c.verdicts, strict=True))) for c in convs]
-    else:  # runs of one verdict folded: "first_turn remote_hit×4 expired_remote_read"
-        rows = [(c.conversation_id, str(len(c.turns)),
-                 " ".join(f"{v}×{n}" if n > 1 else v for v, n in _runs(v.value for v in c.verdicts))) for c in convs]
+    rows = [(c.conversation_id, str(len(c.turns)), verdicts(c)) for c in convs]
     return [QuickTable(summary), QuickTable(table, rows, (Text(), cell(""), Text()))]
 
 

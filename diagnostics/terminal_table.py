@@ -44,6 +44,9 @@ class QuickTable:
         self._table = table
         self._rows = rows
         self._cells = cells
+        # (templates with spans or centred text are rich's to apply: such plain rows are handed to rich)
+        self._plain = rows is not None and cells is not None and all(
+            isinstance(x, Text) and not x.spans and x.justify in (None, *_JUSTIFY) for x in cells)
 
     @property
     def table(self) -> Table:
@@ -56,12 +59,10 @@ class QuickTable:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[RenderableType | Segment]:
         table = self._table
-        plain = self._rows is not None and self._cells is not None and all(
-            isinstance(x, Text) and not x.spans and x.justify in (None, *_JUSTIFY) for x in self._cells)
-        if not _handled(table) or (self._rows is not None and not plain):
+        if not _handled(table) or (self._rows is not None and not self._plain):
             yield self.table
             return
-        body = _Body(table, self._rows if plain else None, self._cells)
+        body = _Body(table, self._rows, self._cells)
         try:  # (the widths come from rich's own layout code, which it does not promise to keep)
             widths = _widths(table, body, console, options)
         except (AttributeError, TypeError):
@@ -236,13 +237,13 @@ def _render(table: Table, body: _Body, console: Console, options: ConsoleOptions
     yield from layout.lines(heads, (box.head_left, box.head_vertical, box.head_right), header=True)
     yield Segment(box.get_row(widths, "head", edge=edge), border)
     yield Segment.line()
-    yield from _body(table, body, layout, box, styles)
+    yield from _body_lines(table, body, layout, box, styles)
     if edge:
         yield Segment(box.get_bottom(widths), border)
         yield Segment.line()
 
 
-def _body(table: Table, body: _Body, layout: _RowLayout, box: Any, styles: list[Style]) -> Iterator[Segment]:
+def _body_lines(table: Table, body: _Body, layout: _RowLayout, box: Any, styles: list[Style]) -> Iterator[Segment]:
     """The rows, each as rich lays it out (the last one's dividers are the foot's)."""
     columns, widths, pads, edge = table.columns, layout.widths, layout.pads, layout.edge
     count = len(body.rows) if body.rows is not None else table.row_count
