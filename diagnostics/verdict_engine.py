@@ -457,21 +457,29 @@ def parse(run: Run) -> None:
                                                 "bool_or(ends_with(line, chr(13))) FROM lines_proxy").fetchall()[0]
         proxy_sql = ep.parse_proxy_sql(all_ascii=bool(proxy_ascii), cr=bool(proxy_cr))
     fields = ep.event_fields(run.con)
-    for q in (*ep.parse_events_sql(fields, stats=stats), *proxy_sql):
+    for q in ep.parse_events_sql(fields, stats=stats):
+        execute(run, q)
+    # Each table is dropped once nothing reads it (only an evidence text reads a JSON line or a vLLM header
+    # again): the statements after it reuse its memory, where DuckDB would otherwise fault in fresh pages (about
+    # a tenth of a run's CPU goes to page faults).
+    if not run.evidence:
+        run.con.execute("DROP TABLE lines_json")
+    for q in proxy_sql:
         execute(run, q)
     if not run.few_rows:
         for q in ep.vllm_head_sql(ascii_branch=many, all_ascii=all_ascii):
             execute(run, q)
     else:
         ep.vllm_head_few_lines(run.con, lambda q: execute(run, q), ascii_branch=many, all_ascii=all_ascii)
+    run.con.execute("DROP TABLE vl_clean")
     # only the classifiers of the first words the messages have (the others' patterns cannot match)
     words = [w for (w,) in run.con.execute("SELECT DISTINCT w FROM vl_head").fetchall()]
     execute(run, ep.vllm_records_sql(words, ascii_branch=many, all_ascii=all_ascii))
+    if not run.evidence:
+        run.con.execute("DROP TABLE vl_head")
     if run.documents:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
     run.event_columns = frozenset((*fields, *ep.read_odd_json(run.con, run.paths, run.stats)))
-    if not run.evidence:  # (only an evidence text reads a JSON line again: its memory goes for the joins)
-        run.con.execute("DROP TABLE lines_json")
 
 
 VIEWS_SQL: Final = """CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);
@@ -639,8 +647,16 @@ def decide(run: Run) -> None:
     for q in decide_statements(run):
         for part in _as_run(run, q, no_events=no_events):
             execute(run, part)
+    # (the tables only the joins read: the rules' joins reuse their memory)
+    for table in _JOINS_ONLY:
+        run.con.execute(f"DROP TABLE IF EXISTS {table}")
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
+
+
+# the tables correlating the records builds and reads, which nothing after it reads
+_JOINS_ONLY: Final = ("px_def", "px_new", "slot_src", "placed", "cs_pick", "cs_new", "vl_slot", "offered", "known_ids",
+                      "tag_map", "tev", "ev_slot_key", "lone", "lone_taken", "ev_rid_only", "eng_new")
 
 
 def _decide_with_windows(run: Run) -> None:

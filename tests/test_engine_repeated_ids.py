@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import kvdiag
+from kvdiag.diagnostics import verdict_engine
 from kvdiag.diagnostics.detect import detect
 from kvdiag.diagnostics.report import load_turn_arrow
 from kvdiag.diagnostics.turn_loader import run_all
@@ -50,7 +53,9 @@ def test_each_statistic_is_one_turn_when_statistics_repeat_a_request_id(tmp_path
                       strict=True)) == [("CONV_A", 1), ("CONV_A", 2), ("CONV_B", 1), ("CONV_C", 1)]
 
 
-def test_the_repeated_id_holds_several_slots_and_each_turn_one_row(tmp_path: Path) -> None:
+def test_the_repeated_id_holds_several_slots_and_each_turn_one_row(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verdict_engine, "_JOINS_ONLY", ())  # (vl_slot is read below: the run keeps it)
     run = run_all(detect(_logs(tmp_path)))
     try:
         slots = run.con.execute("SELECT rid, count(*) FROM by_rid GROUP BY rid ORDER BY rid").fetchall()
