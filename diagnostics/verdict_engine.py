@@ -460,8 +460,8 @@ def parse(run: Run) -> None:
     for q in ep.parse_events_sql(fields, stats=stats):
         execute(run, q)
     # Each table is dropped once nothing reads it (only an evidence text reads a JSON line or a vLLM header
-    # again): the statements after it reuse its memory, where DuckDB would otherwise fault in fresh pages (about
-    # a tenth of a run's CPU goes to page faults).
+    # again): the statements after it reuse its memory, where a fresh process would fault in new pages (the
+    # kernel's share is about a fifth of a run's CPU).
     if not run.evidence:
         run.con.execute("DROP TABLE lines_json")
     for q in proxy_sql:
@@ -647,14 +647,14 @@ def decide(run: Run) -> None:
     for q in decide_statements(run):
         for part in _as_run(run, q, no_events=no_events):
             execute(run, part)
-    # (the tables only the joins read: the rules' joins reuse their memory)
+    # (the rules' joins reuse the memory of the tables only the correlation read)
     for table in _JOINS_ONLY:
         run.con.execute(f"DROP TABLE IF EXISTS {table}")
     run.con.execute(f"CREATE TEMP TABLE wfind (rid VARCHAR, {WINDOW_COLUMNS})")
     _decide_with_windows(run)
 
 
-# the tables correlating the records builds and reads, which nothing after it reads
+# the tables the correlation builds for itself: nothing after it reads them
 _JOINS_ONLY: Final = ("px_def", "px_new", "slot_src", "placed", "cs_pick", "cs_new", "vl_slot", "offered", "known_ids",
                       "tag_map", "tev", "ev_slot_key", "lone", "lone_taken", "ev_rid_only", "eng_new")
 
