@@ -19,7 +19,7 @@ from kvdiag.diagnostics.detect import LogFile, LogReadError
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.proxy_log_parser import parse_proxy_numbered
-from kvdiag.diagnostics.scan import grep_prefixed, head_lines, is_json_document
+from kvdiag.diagnostics.scan import grep_prefixed, head_lines, is_stats_document
 from kvdiag.schema.request_ids import header_request_id
 
 Numbered = list[tuple[int, bytes]]
@@ -75,10 +75,8 @@ def select_lines(files: list[LogFile], conversation_id: str, tick: Tick, stats: 
     """The lines of ``files`` the conversation's explanation needs (``documents``: the client statistics of
     files that are one JSON document, read whole by the caller). ``stats`` counts the corrupt lines of the
     first pass (the caller adds them only when the engine does not read these lines again)."""
-    # (a client-statistics file that is one JSON document is read whole by the caller; any other file opening
-    # with "[" is lines: a proxy's or an event file's first line may be a bracket, an array or a broken line)
-    first = [f for f in files if f.fmt in ("events", "proxy")
-             or (f.fmt == "client_stats" and not is_json_document(f.path))]
+    # (a client-statistics document is read whole by the caller)
+    first = [f for f in files if f.fmt in ("events", "client_stats", "proxy") and not is_stats_document(f)]
     second = [f for f in files if f.fmt in ("vllm", "proxy", "events")]
     out = Selected(ids=[conversation_id])
     new_ids, tags = [conversation_id], set(id_tags(conversation_id))

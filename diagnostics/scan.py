@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
-from kvdiag.diagnostics.detect import LogReadError, open_binary, whole_line_blocks
+from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary, whole_line_blocks
 
 CHUNK_BYTES: Final = 8 * 1024 * 1024
 ProgressFn = Callable[[int], None]  # bytes read since the last call
@@ -455,6 +455,12 @@ def _grep_chunks(path: str, pattern: re.Pattern[bytes], progress: ProgressFn | N
             lineno += 1
             pos = end
         lineno += chunk.count(b"\n", pos)
+
+
+def is_stats_document(lf: LogFile) -> bool:
+    """True for a client-statistics file that is one JSON document, read whole; every other file is read as lines
+    (a proxy log or event file may open with "[": a bracket, an array, a broken line)."""
+    return lf.fmt == "client_stats" and is_json_document(lf.path)
 
 
 def is_json_document(path: str) -> bool:

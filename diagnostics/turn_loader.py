@@ -29,7 +29,7 @@ from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
 from kvdiag.diagnostics.json_logs import ClientStat, parse_json_document
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.records import ConversationRecord, ConversationSummary, Evidence, TurnRecord
-from kvdiag.diagnostics.scan import grep_regex, is_json_document
+from kvdiag.diagnostics.scan import grep_regex, is_stats_document
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
@@ -364,7 +364,7 @@ class _PreparedRun:
 def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: ProgressFn | None,
                          prepared: _PreparedRun, *, stats: LineStats) -> ConversationRecord:
     tick = _Progress(sum(f.size for f in files), progress, 2)
-    documents = [f for f in files if f.fmt == "client_stats" and is_json_document(f.path)]
+    documents = [f for f in files if is_stats_document(f)]
     first_stats = LineStats()
     with _reading():
         stats_documents = [s for f in documents for s in _document_stats(f)]

@@ -40,7 +40,7 @@ from kvdiag.diagnostics.scan import (
     grep_ere,
     grep_ere_to_file,
     grep_regex,
-    is_json_document,
+    is_stats_document,
     ripgrep,
     rust_escape,
 )
@@ -378,7 +378,7 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                         if progress is not None:
                             progress(lf.size)
                     continue
-                if lf.fmt == "client_stats" and is_json_document(lf.path):
+                if is_stats_document(lf):
                     add_document(run, f)
                     continue
                 plain = _plain(lf.path)
