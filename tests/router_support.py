@@ -227,10 +227,12 @@ async def fake_backends(n_prefill: int = 1, n_decode: int = 1) -> AsyncIterator[
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every JSON line of ``path``."""
+    """Every whole JSON line of ``path``: a last line without its newline is one the writer's thread is still
+    writing (the polls of wait_for meet it), and is left for the next read."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    whole = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
 async def wait_for(predicate: Any, timeout: float = 5.0) -> None:
