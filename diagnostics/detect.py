@@ -111,8 +111,9 @@ def role_hint(path: str) -> str | None:
 def sniff_format(head: bytes) -> str:
     """The format of a file from its first bytes: events, client_stats, proxy, vllm or unknown."""
     text = head.decode("utf-8", errors="replace")
-    if _is_json_array(text):
-        return "client_stats"
+    array = _json_array_kind(text)
+    if array is not None:
+        return array
     votes = dict.fromkeys(FORMATS, 0)
     for line in text.splitlines()[:50]:
         line = line.strip()
@@ -135,25 +136,30 @@ def sniff_format(head: bytes) -> str:
     return best if votes[best] else "unknown"
 
 
-def _is_json_array(text: str) -> bool:
-    """True when the text opens a JSON array of objects (``--stats-json-output``), by content.
+def _json_array_kind(text: str) -> str | None:
+    """``events`` or ``client_stats`` when the text opens a JSON array of objects, by its first object (a batch
+    of events written as one line, or ``--stats-json-output``); None when it opens no such array.
 
     A leading ``[`` alone proves nothing: console output starts with ``[transformers] ...`` too.
     """
     stripped = text.lstrip()
     if not stripped.startswith("["):
-        return False
+        return None
     body = stripped[1:].lstrip()
     if body.startswith("]"):
-        return True
+        return "client_stats"
     if not body.startswith("{"):
-        return False
+        return None
     try:
         first, _ = json.JSONDecoder().raw_decode(body)
     except (ValueError, RecursionError):
         # an element longer than the sniffed head is cut: a quoted key still says JSON
-        return re.match(r'\{\s*"', body) is not None
-    return isinstance(first, dict)
+        if re.match(r'\{\s*"', body) is None:
+            return None
+        return "events" if all(re.search(rf'"{k}"\s*:', body) for k in ("v", "source", "event")) else "client_stats"
+    if not isinstance(first, dict):
+        return None
+    return "events" if {"v", "source", "event"} <= first.keys() else "client_stats"
 
 
 def detect(paths: Iterable[str]) -> list[LogFile]:

@@ -28,8 +28,10 @@ _CUT: Final = 300  # characters of a text explain prints
 # for the refs of the files in {files}; {cited} tells a cited row). No text is NULL: each condition is on the
 # table's columns (a filter on the text would be pushed into the projection and compute each text twice).
 _SOURCES: Final = (
+    # (the events of a line read as a JSON array share its text)
     ("ev", "text IS NOT NULL",
-     f"SELECT f, n, left(text, {_CUT}) AS text FROM ev WHERE text IS NOT NULL AND {{files}} AND {{cited}}"),
+     f"SELECT f, n, left(any_value(text), {_CUT}) AS text FROM ev WHERE text IS NOT NULL AND {{files}} AND {{cited}} "
+     "GROUP BY f, n"),
     # (a line's statistics share its text: the last one's, as the facts take it)
     ("cs", "text IS NOT NULL",
      f"SELECT * FROM (SELECT f, n, left(arg_max(text, sub), {_CUT}) AS text FROM cs WHERE {{files}} AND {{cited}} "

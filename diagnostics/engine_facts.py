@@ -14,7 +14,7 @@ from collections.abc import Collection
 from typing import Final
 
 from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion
-from kvdiag.diagnostics.engine_parse import EVENT_FIELDS, VLLM_COLUMNS, sql_str
+from kvdiag.diagnostics.engine_parse import EVENT_FIELDS, EVENT_ORDER, EVENT_ORDER_LINE, VLLM_COLUMNS, sql_str
 from kvdiag.diagnostics.event_table_columns import EVENT_TABLE_COLUMNS
 
 FAILED_STATUSES: Final = ("error", "aborted", "disconnected", "timeout", "hung")
@@ -59,24 +59,20 @@ def facts_sql(vl_kinds: Collection[str] | None = None, event_columns: Collection
     unset = frozenset() if event_columns is None else frozenset(EVENT_FIELDS).difference(event_columns)
     return [
         # turns with more than one client or router event, or with engine events (few): their events are
-        # aggregated; the others pair their client and router event by a join (ev_facts). So are the turns of a
-        # line json_logs read as a JSON array of events (its events share the line's place; aggregated, a turn
-        # of one client and one router event gets the values the pair gives).
-        EventsOnly(f"""CREATE TEMP TABLE tev_multi AS SELECT sid FROM (
+        # aggregated; the others pair their client and router event by a join (ev_facts)
+        EventsOnly("""CREATE TEMP TABLE tev_multi AS SELECT sid FROM (
              SELECT sid, CASE WHEN pass IN (1, 2) THEN 0 ELSE 1 END AS grp FROM ev_slot
              UNION ALL SELECT sid, 2 FROM eng_slot) GROUP BY sid
            HAVING count(*) FILTER (WHERE grp = 0) > 1 OR count(*) FILTER (WHERE grp = 1) > 1
-             OR count(*) FILTER (WHERE grp >= 2) > 0
-           UNION ALL SELECT sid FROM ev_slot WHERE {REF} IN (
-             SELECT {REF} FROM ev WHERE text IS NOT NULL GROUP BY f, n HAVING count(*) > 1)"""),
+             OR count(*) FILTER (WHERE grp >= 2) > 0"""),
         # the events of those turns in the order the rules read them: client, router, P (each in file order), D
         EventsOnly(f"""CREATE TEMP TABLE tev_r AS
            SELECT {cols}, s.sid, CASE e.source WHEN 'client' THEN 0 ELSE 1 END AS grp, {_ev_order('e.source')} AS o
-           FROM ev_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)
+           FROM ev_slot s JOIN ev e USING (f, n, sub) WHERE s.sid IN (SELECT sid FROM tev_multi)
            UNION ALL SELECT {cols}, s.sid, CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END,
-             (CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END::BIGINT << 58) + {REF.replace('f', 'e.f').replace(
-                 '+ n', '+ e.n')}
-           FROM eng_slot s JOIN ev e USING (f, n) WHERE s.sid IN (SELECT sid FROM tev_multi)"""),
+             {EVENT_ORDER.format(order="(CASE s.source WHEN 'prefill' THEN 2 ELSE 3 END::BIGINT << 58) + "
+                                       + REF.replace('f', 'e.f').replace('+ n', '+ e.n'), sub="e.sub")}
+           FROM eng_slot s JOIN ev e USING (f, n, sub) WHERE s.sid IN (SELECT sid FROM tev_multi)"""),
         _ev_facts_sql(cols, unset),
         # the deciding event: a paired turn's is in ev_facts already (its dec_ columns, dropped after)
         EventsOnly(f"""CREATE TEMP TABLE decider AS
@@ -91,7 +87,7 @@ def facts_sql(vl_kinds: Collection[str] | None = None, event_columns: Collection
              starts_with(coalesce(t.reason, ''), 'inferred') AS dec_inferred,
              {REF.replace('f', 't.f').replace('+ n', '+ t.n')} AS dec_ref,
              list_transform(list_filter(p.eng_os, lambda x: x <> p.dec_o)[1:3],
-                            lambda x: x & ((1::BIGINT << 54) - 1)) AS eng_refs
+                            lambda x: {EVENT_ORDER_LINE.format(x="x")}) AS eng_refs
            FROM pick p JOIN tev_r t ON t.sid = p.sid AND t.o = p.dec_o
            WHERE t.outcome IS NOT NULL AND t.outcome <> 'unknown'
            UNION ALL SELECT sid, dec_verdict, dec_reason, dec_ft, starts_with(coalesce(dec_reason, ''), 'inferred'),
@@ -189,7 +185,8 @@ def _grp_holds(where: str, grp: int) -> bool:
 def _ev_order(source: str) -> str:
     # a client or router event's place among its turn's events (P's and D's follow)
     grp = f"CASE {source} WHEN 'client' THEN 0 ELSE 1 END"
-    return f"({grp}::BIGINT << 58) + (coalesce(s.pass, 3)::BIGINT << 54) + ((e.f::BIGINT << 40) + e.n)"
+    return EVENT_ORDER.format(order=f"({grp}::BIGINT << 58) + (coalesce(s.pass, 3)::BIGINT << 54) + "
+                                   "((e.f::BIGINT << 40) + e.n)", sub="e.sub")
 
 
 # a paired turn's deciding event (its outcome, reason, failure type, ref): ev_facts carries them for decider
@@ -244,7 +241,7 @@ def _ev_facts_sql(cols: str, unset: Collection[str] = frozenset()) -> str:
     side = ("SELECT sid, {per_row}, outcome AS d_outcome, reason AS d_reason, failure_type AS d_ft, "
             "(f::BIGINT << 40) + n AS d_ref FROM (SELECT {cols}, s.sid, {grp} AS grp, {o} AS o "
             "FROM (SELECT * FROM ev_slot WHERE {kind} AND sid NOT IN (SELECT sid FROM tev_multi)) s "
-            "JOIN ev e USING (f, n) WHERE e.source {op} 'client')")
+            "JOIN ev e USING (f, n, sub) WHERE e.source {op} 'client')")
     c_side = side.format(per_row=per_row(0), cols=cols, grp=0, o=_ev_order("e.source"), op="=",
                          kind="pass IN (1, 2)")
     r_side = side.format(per_row=per_row(1), cols=cols, grp=1, o=_ev_order("e.source"), op="<>",
@@ -260,7 +257,7 @@ def _ev_facts_sql(cols: str, unset: Collection[str] = frozenset()) -> str:
     decs = ", ".join(dec.format(d=d) + f" AS {c}" for d, c in zip(("d_outcome", "d_reason", "d_ft", "d_ref"),
                                                                     _DEC_COLUMNS, strict=True))
     pairs = f"""WITH c AS ({c_side}), r AS ({r_side})
-      SELECT coalesce(c.sid, r.sid) AS sid, true AS has_events, {paired}, NULL::BIGINT[] AS eng_os, {decs}
+      SELECT coalesce(c.sid, r.sid) AS sid, true AS has_events, {paired}, NULL::HUGEINT[] AS eng_os, {decs}
       FROM c FULL JOIN r ON c.sid = r.sid"""
     grouped = f"""SELECT sid, count(*) FILTER (WHERE grp IN (0, 1)) > 0 AS has_events, {aggregated},
         (list(o ORDER BY o) FILTER (WHERE grp >= 2))[1:4] AS eng_os,

@@ -27,7 +27,7 @@ from typing import Final
 
 from kvdiag.diagnostics.conversation_ids import HASH_PREFIX_LENGTHS
 from kvdiag.diagnostics.engine_no_events import EventsOnly
-from kvdiag.diagnostics.engine_parse import sql_str
+from kvdiag.diagnostics.engine_parse import EVENT_ORDER, sql_str
 
 # vLLM kinds only a prefill (reader) engine logs: they tell a file's role when its name does not.
 PREFILL_KINDS: Final = ("declining_expired", "skip_remote_pull")
@@ -62,6 +62,8 @@ MACROS: Final = (
 )
 
 
+# a turn event's (pass, file, line) as one number
+_POS: Final = "(pass::BIGINT << 61) + (f::BIGINT << 40) + n"
 _TAG_RE: Final = "|".join(f"[0-9a-f]{{{n}}}" for n in HASH_PREFIX_LENGTHS)
 
 
@@ -94,10 +96,12 @@ def join_sql(only: str | None) -> list[str]:
         # ms in all. Over every line the view costs nothing and the table a copy of every event)
         FewRowsOnly("CREATE TEMP TABLE ev_rows AS SELECT * FROM ev; DROP VIEW ev; ALTER TABLE ev_rows RENAME TO ev"),
         # ---- 1. turn events: router (pass 0), client events their router names (1), other client events (2);
-        # pord orders them by (pass, file, line) as one number, for up to 2M files of 2^40 lines (only its order
+        # an event's key is (f, n, sub): sub tells apart the events of a line json_logs read as a JSON array. pord
+        # orders them by (pass, file, line, sub) as one number, for up to 2M files of 2^40 lines (only its order
         # is read: a row_number() over every event would sort them all)
-        EventsOnly(f"""CREATE TEMP TABLE tev AS SELECT *, (pass::BIGINT << 61) + (f::BIGINT << 40) + n AS pord FROM (
-              SELECT f, n, request_id, cconv, turn, ts, CASE WHEN source = 'router' THEN 0
+        EventsOnly(f"""CREATE TEMP TABLE tev AS SELECT *, {EVENT_ORDER.format(order=_POS, sub="sub")}
+              AS pord FROM (
+              SELECT f, n, sub, request_id, cconv, turn, ts, CASE WHEN source = 'router' THEN 0
                 WHEN request_id IN (SELECT request_id FROM ev WHERE source = 'router' AND request_id IS NOT NULL)
                 THEN 1 ELSE 2 END AS pass
               FROM ev WHERE source IN ('router', 'client') AND cconv IS NOT NULL AND turn IS NOT NULL
@@ -105,35 +109,29 @@ def join_sql(only: str | None) -> list[str]:
         # slots made by events: one per request id (its first event's conversation and turn), one per
         # conversation and number for events without a request id. The ids router events have come first
         # (a client event that joins one comes later in pord); the other client events' ids are none of those.
+        # A slot's ord is its first event's (pass, file, line).
         EventsOnly("""CREATE TEMP TABLE slot_src AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
-             arg_min(turn, pord) AS turn, min(pord) AS ord, 0 AS stage, bool_or(pass = 0) AS routed,
+             arg_min(turn, pord) AS turn, (min(pord) >> 32)::BIGINT AS ord, 0 AS stage, bool_or(pass = 0) AS routed,
              bool_or(pass = 1) AS answered FROM tev WHERE pass < 2 AND request_id IS NOT NULL GROUP BY request_id"""),
         # a router-only turn of a conversation and number takes the first other client event of it
         EventsOnly("""CREATE TEMP TABLE lone AS SELECT conv, turn, min(rid) AS rid FROM slot_src
            WHERE routed AND NOT answered
            GROUP BY conv, turn HAVING count(*) = 1"""),
-        EventsOnly("""CREATE TEMP TABLE lone_taken AS SELECT t.f, t.n, l.rid FROM (
-             SELECT f, n, cconv, turn, row_number() OVER (PARTITION BY cconv, turn ORDER BY pord) AS k FROM tev
+        EventsOnly("""CREATE TEMP TABLE lone_taken AS SELECT t.f, t.n, t.sub, l.rid FROM (
+             SELECT f, n, sub, cconv, turn, row_number() OVER (PARTITION BY cconv, turn ORDER BY pord) AS k FROM tev
              WHERE pass = 2) t JOIN lone l ON l.conv = t.cconv AND l.turn = t.turn WHERE t.k = 1"""),
-        EventsOnly("""CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.pord, t.pass, t.ts,
+        EventsOnly("""CREATE TEMP TABLE ev_slot_key AS SELECT t.f, t.n, t.sub, t.pord, t.pass, t.ts,
              CASE WHEN lt.rid IS NOT NULL THEN lt.rid ELSE t.request_id END AS rid, t.cconv, t.turn
-           FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n"""),
+           FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n AND lt.sub = t.sub"""),
         "ALTER TABLE slot_src DROP COLUMN routed",
         "ALTER TABLE slot_src DROP COLUMN answered",
-        # (unless a line json_logs read as an array of events holds a router or client event with one a lone turn
-        # takes: then the key of each such event is the one taken, and the slots are counted from the keys)
-        EventsOnly("""DELETE FROM slot_src
-           WHERE EXISTS (SELECT 1 FROM tev t JOIN lone_taken lt USING (f, n) WHERE t.pass < 2)"""),
-        EventsOnly("""INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), min(pord), 0
-           FROM ev_slot_key
-           WHERE pass < 2 AND rid IS NOT NULL AND NOT EXISTS (SELECT 1 FROM slot_src) GROUP BY rid"""),
-        EventsOnly("""INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), min(pord), 0
-           FROM ev_slot_key
+        EventsOnly("""INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord),
+             (min(pord) >> 32)::BIGINT, 0 FROM ev_slot_key
            WHERE pass = 2 AND rid IS NOT NULL AND rid NOT IN (SELECT rid FROM slot_src) GROUP BY rid"""),
-        EventsOnly("""INSERT INTO slot_src SELECT NULL, cconv, turn, min(pord), 0 FROM ev_slot_key WHERE rid IS NULL
-           GROUP BY cconv, turn"""),
+        EventsOnly("""INSERT INTO slot_src SELECT NULL, cconv, turn, (min(pord) >> 32)::BIGINT, 0 FROM ev_slot_key
+           WHERE rid IS NULL GROUP BY cconv, turn"""),
         # router events without a conversation or turn join by the request id
-        EventsOnly("""CREATE TEMP TABLE ev_rid_only AS SELECT f, n, request_id AS rid FROM ev
+        EventsOnly("""CREATE TEMP TABLE ev_rid_only AS SELECT f, n, sub, request_id AS rid FROM ev
            WHERE source = 'router' AND (cconv IS NULL OR turn IS NULL) AND request_id IN
              (SELECT rid FROM slot_src WHERE rid IS NOT NULL)"""),
         # ---- 2. the proxy's requests
@@ -163,11 +161,11 @@ def join_sql(only: str | None) -> list[str]:
              + row_number() OVER (ORDER BY ord, conv, turn), rid, conv, turn, stage, ord FROM cs_new""",
         """CREATE TEMP TABLE by_rid AS SELECT rid, sid FROM slots WHERE rid IS NOT NULL""",
         EventsOnly("""CREATE TEMP TABLE ev_slot AS
-           SELECT k.f, k.n, s.sid, k.pass FROM ev_slot_key k JOIN slots s ON s.rid = k.rid
-           UNION ALL SELECT k.f, k.n, s.sid, k.pass FROM ev_slot_key k JOIN slots s
+           SELECT k.f, k.n, k.sub, s.sid, k.pass FROM ev_slot_key k JOIN slots s ON s.rid = k.rid
+           UNION ALL SELECT k.f, k.n, k.sub, s.sid, k.pass FROM ev_slot_key k JOIN slots s
              ON k.rid IS NULL AND s.rid IS NULL AND s.conv = k.cconv AND s.turn = k.turn AND s.sid IN
                (SELECT sid FROM slots WHERE rid IS NULL)
-           UNION ALL SELECT r.f, r.n, b.sid, NULL FROM ev_rid_only r JOIN by_rid b USING (rid)"""),
+           UNION ALL SELECT r.f, r.n, r.sub, b.sid, NULL FROM ev_rid_only r JOIN by_rid b USING (rid)"""),
         # the proxy's requests with their slot, and what the turn's facts read of them (px_facts): the first
         # line is the head, else where the request starts (a view: writing the table cost more than its two readers'
         # joins)
@@ -192,7 +190,7 @@ def join_sql(only: str | None) -> list[str]:
         # ---- 4. engine events: by request id (header or engine id), else their conversation and turn
         # (joins, not scalar subqueries: those checked every id of by_rid for a second slot, even with no engine
         # events; an id an event names has one slot, or those subqueries failed)
-        EventsOnly("""CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.source,
+        EventsOnly("""CREATE TEMP TABLE eng_ev AS SELECT e.f, e.n, e.sub, e.source,
               coalesce(b1.sid, b2.sid, b3.sid, b4.sid) AS sid,
               e.cconv, e.turn
             FROM ev e LEFT JOIN by_rid b1 ON b1.rid = e.request_id LEFT JOIN by_rid b2 ON b2.rid = hrid(e.request_id)
@@ -205,14 +203,15 @@ def join_sql(only: str | None) -> list[str]:
                               AND s.turn = eng_ev.turn)"""),
         EventsOnly("""INSERT INTO slots (sid, rid, conv, turn) SELECT (SELECT coalesce(max(sid), 0) FROM slots)
              + row_number() OVER (ORDER BY conv, turn), NULL, conv, turn FROM eng_new"""),
-        EventsOnly("""CREATE TEMP TABLE eng_slot AS SELECT e.f, e.n, e.source, coalesce(e.sid, s.sid) AS sid
+        EventsOnly("""CREATE TEMP TABLE eng_slot AS SELECT e.f, e.n, e.sub, e.source, coalesce(e.sid, s.sid) AS sid
            FROM eng_ev e
            LEFT JOIN slots s ON e.sid IS NULL AND s.rid IS NULL AND s.conv = e.cconv AND s.turn = e.turn
            WHERE coalesce(e.sid, s.sid) IS NOT NULL"""),
         # ---- vLLM lines: D's release of the handle a turn was offered, else by the ids a line names
         """CREATE TEMP TABLE offered AS SELECT offered_id, max(sid) AS sid FROM (
              SELECT p.sid, p.offered AS offered_id FROM px_slot p WHERE p.offered IS NOT NULL
-             UNION ALL SELECT es.sid, arg_min(e.remote_request_id, e.n) FROM ev_slot es JOIN ev e USING (f, n)
+             UNION ALL SELECT es.sid, arg_min(e.remote_request_id, (e.n::HUGEINT << 32) + e.sub)
+               FROM ev_slot es JOIN ev e USING (f, n, sub)
                WHERE e.source = 'router' AND e.remote_request_id IS NOT NULL
                  AND es.sid NOT IN (SELECT sid FROM px_slot WHERE offered IS NOT NULL) GROUP BY es.sid)
            GROUP BY offered_id""",

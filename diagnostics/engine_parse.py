@@ -128,8 +128,8 @@ _STAT_KEYS: Final = ("conversation_id", "ttft_ms", "latency_ms", "start_time_ms"
                      "input_num_tokens", "output_num_tokens", "turn", "request_id")
 _STAT_SCHEMA: Final = "{" + ", ".join(f'"{k}": "JSON"' for k in _STAT_KEYS) + "}"
 # what ev carries besides the event fields (the attrs' fields the rules read are typed apart)
-_EV_EXTRA: Final = {"text": "VARCHAR", "cconv": "VARCHAR", "attr_bidir": "BOOLEAN", "attr_block_size": "BIGINT",
-                    "attr_ttl": "DOUBLE"}
+_EV_EXTRA: Final = {"sub": "INTEGER", "text": "VARCHAR", "cconv": "VARCHAR", "attr_bidir": "BOOLEAN",
+                    "attr_block_size": "BIGINT", "attr_ttl": "DOUBLE"}
 # fields every vouched-for event has (the required keys) or ev_t keeps whatever the lines hold (cconv's source)
 _EV_ALWAYS: Final = ("v", "ts", "source", "event", "conversation_id")
 
@@ -305,14 +305,19 @@ def parse_events_sql(fields: Collection[str], *, stats: bool = True) -> list[str
     ]
 
 
-EV_ROW_COLUMNS: Final = ("f", "n", "text", *EVENT_FIELDS, "cconv", "attr_bidir", "attr_block_size", "attr_ttl")
+# ``sub``: an event's place among those of a line json_logs read as a JSON array (0 for every other event)
+# An event's place in an order as one number: ``{order}`` (a BIGINT) then ``{sub}``; where the order's low 54
+# bits are the event's line ref, ``EVENT_ORDER_LINE`` gives the ref back.
+EVENT_ORDER: Final = "((({order})::HUGEINT << 32) + {sub})"
+EVENT_ORDER_LINE: Final = "(({x}) >> 32)::BIGINT & ((1::BIGINT << 54) - 1)"
+EV_ROW_COLUMNS: Final = ("f", "n", "sub", "text", *EVENT_FIELDS, "cconv", "attr_bidir", "attr_block_size", "attr_ttl")
 
 
 def ev_view_sql(columns: Collection[str]) -> str:
     """``ev``: every column of EV_ROW_COLUMNS, from ``ev_t``'s ``columns`` (the others NULL)."""
     return "CREATE OR REPLACE TEMP VIEW ev AS SELECT " + ", ".join(
-        c if c in columns or c in ("f", "n") else f"NULL::{ev_column_type(c)} AS {c}" for c in EV_ROW_COLUMNS
-    ) + " FROM ev_t"
+        c if c in columns or c in ("f", "n") else "0 AS sub" if c == "sub" else f"NULL::{ev_column_type(c)} AS {c}"
+        for c in EV_ROW_COLUMNS) + " FROM ev_t"
 
 
 CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latency_ms", "start_time_ms",
@@ -329,6 +334,7 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
     stats_rows: list[tuple[object, ...]] = []
     by_file: dict[int, list[tuple[int, str]]] = {}
     seen: dict[tuple[int, int], int] = {}
+    seen_events: dict[tuple[int, int], int] = {}
     for f, n, line in odd:
         by_file.setdefault(f, []).append((n, line))
     for f, numbered in by_file.items():
@@ -339,7 +345,10 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
                 bidir = attrs.get("bidirectional_kv_xfer")
                 block = attrs.get("block_size")
                 ttl = attrs.get("decoder_kv_blocks_ttl")
-                events.append((f, rec.lineno, rec.text, *(getattr(e, c) for c in EVENT_FIELDS), e.conversation_id,
+                # (the events of one array line share its place: ``sub`` tells them apart, as for statistics)
+                sub = seen_events.get((f, rec.lineno), 0)
+                seen_events[(f, rec.lineno)] = sub + 1
+                events.append((f, rec.lineno, sub, rec.text, *(getattr(e, c) for c in EVENT_FIELDS), e.conversation_id,
                                bidir if isinstance(bidir, bool) else None, _attr_int(block), json_double(ttl)))
             elif isinstance(rec, ClientStat):
                 # a JSON array on one line holds several records: ``sub`` tells them apart
@@ -363,9 +372,11 @@ def _append_events(con: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]
         return []
     have = [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'ev_t' "
                                       "ORDER BY column_index").fetchall()]
-    new = [c for i, c in enumerate(EV_ROW_COLUMNS) if c not in have and any(r[i] is not None for r in rows)]
+    # (``sub`` only where some line held several events: ev reads 0 for it otherwise, and so do the rows before)
+    new = [c for i, c in enumerate(EV_ROW_COLUMNS) if c not in have
+           and (any(r[i] for r in rows) if c == "sub" else any(r[i] is not None for r in rows))]
     for c in new:
-        con.execute(f"ALTER TABLE ev_t ADD COLUMN {c} {ev_column_type(c)}")
+        con.execute(f"ALTER TABLE ev_t ADD COLUMN {c} {ev_column_type(c)}{' DEFAULT 0' if c == 'sub' else ''}")
     if new:
         con.execute(ev_view_sql([*have, *new]))
     keep = [i for i, c in enumerate(EV_ROW_COLUMNS) if c in have or c in new]

@@ -770,8 +770,9 @@ _RECORD_SELECT: Final = ", ".join(c for c in RECORD_COLUMNS if c != "evidence")
 
 def _evidence_texts(run: Run) -> str:
     """Every turn's evidence refs into ``ev_refs`` (turn index in conversation order, ref, place in the turn's
-    evidence); returns the query of their texts (ref, source, text), one row per ref."""
-    run.con.execute(f"""CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT i, unnest(evidence) AS ref,
-        generate_subscripts(evidence, 1) AS k FROM (SELECT row_number() OVER ({_ORDER}) - 1 AS i, evidence
-        FROM decided)""")
+    evidence), each line once per turn (a rule and the turn's failure may cite the same line); returns the query
+    of their texts (ref, source, text), one row per ref."""
+    run.con.execute(f"""CREATE OR REPLACE TEMP TABLE ev_refs AS SELECT i, ref, min(k) AS k FROM (
+        SELECT i, unnest(evidence) AS ref, generate_subscripts(evidence, 1) AS k FROM (
+          SELECT row_number() OVER ({_ORDER}) - 1 AS i, evidence FROM decided)) GROUP BY i, ref""")
     return evidence_texts_sql(run.con, "ev_refs")

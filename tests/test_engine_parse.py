@@ -369,7 +369,7 @@ def test_events_carry_every_field_json_logs_reads(tmp_path: Path, stats: bool) -
     con, loaded = _engine(files, stats=stats)
     assert [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'ev' "
                                       "ORDER BY column_index").fetchall()] == list(ep.EV_ROW_COLUMNS)
-    cols = [c for c in ep.EV_ROW_COLUMNS if c not in ("f", "n", "text", "cconv")]
+    cols = [c for c in ep.EV_ROW_COLUMNS if c not in ("f", "n", "sub", "text", "cconv")]
     got = sorted(con.execute(f"SELECT f, n, {', '.join(cols)} FROM ev").fetchall(), key=repr)
     want = []
     for f, p in enumerate(files):
@@ -382,6 +382,10 @@ def test_events_carry_every_field_json_logs_reads(tmp_path: Path, stats: bool) -
     decode_ms, block = 2 + cols.index("decode_ms"), 2 + cols.index("attr_block_size")
     assert any(r[:2] == (len(files) - 1, 2) and r[decode_ms] == 5.5 and r[block] == 16 for r in got)
     assert len(got) > 100
+    # the two events of the array line are told apart by sub; every other event's is 0
+    assert con.execute("SELECT f, n, list(sub ORDER BY sub) FROM ev GROUP BY f, n HAVING count(*) > 1").fetchall() \
+        == [(len(files) - 1, 2, [0, 1])]
+    assert con.execute("SELECT count(*) FROM ev WHERE sub <> 0").fetchall() == [(1,)]
 
 
 def test_class_escapes_read_by_re2_as_python_reads_them() -> None:

@@ -10,6 +10,7 @@ not one document.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from kvdiag.diagnostics import verdict_engine as engine
 from kvdiag.diagnostics.detect import LogFile, detect, sniff_format
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
+from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.scan import is_json_document
 from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 from kvdiag.schema.events import EventFormatError, parse_event
@@ -125,9 +127,6 @@ def test_one_conversation_reads_a_file_whose_first_line_opens_a_bracket(tmp_path
         assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns], conv.conversation_id
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, not fixed yet: the events of one JSON array line share its "
-                   "(file, line) place, and the engine joins events to their turns by that place, so each turn "
-                   "of the line takes every event of it")
 def test_router_events_batched_on_one_line_make_the_turns_they_make_apart(tmp_path: Path) -> None:
     load_gen_logs().generate(tmp_path, 60_000, seed=3, noise_per_turn=1)
     paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
@@ -143,3 +142,42 @@ def test_router_events_batched_on_one_line_make_the_turns_they_make_apart(tmp_pa
     batched = {c.conversation_id: [(t.turn, t.verdict) for t in c.turns] for c in kvdiag.load_turns(paths)}
     conv = records[i]["conversation_id"]
     assert batched[conv] == apart[conv]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_every_event_file_batched_into_arrays_gives_the_turns_and_table_of_one_event_per_line(
+        tmp_path: Path, seed: int) -> None:
+    load_gen_logs().generate(tmp_path, 60_000, seed=seed, noise_per_turn=1)
+    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
+
+    def turns(convs: list[ConversationRecord]) -> dict[str, list[dict[str, object]]]:
+        # evidence cites the array line, so only its files and count are compared
+        return {c.conversation_id: [{**t.__dict__, "evidence": sorted(Path(e.source.split(":")[0]).name
+                                                                        for e in t.evidence)}
+                                    for t in c.turns] for c in convs}
+
+    apart = turns(kvdiag.load_turns(paths))
+    table_apart = kvdiag.load_turn_table(paths)
+    rng = random.Random(seed)
+    batched_lines = 0
+    for name in ("router-events.jsonl", "client.jsonl", "prefill-events.jsonl"):
+        f = tmp_path / name
+        records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+        out, i = [], 0
+        while i < len(records):
+            k = rng.randint(1, 4)
+            out.append(json.dumps(records[i:i + k]) if k > 1 else json.dumps(records[i]))
+            batched_lines += k > 1 and i + 1 < len(records)
+            i += k
+        f.write_text("\n".join(out) + "\n", encoding="utf-8")
+    assert batched_lines > 10
+    batched = kvdiag.load_turns(paths)
+    assert turns(batched) == apart
+    assert kvdiag.load_turn_table(paths).equals(table_apart)
+    for conv in batched[:4]:
+        one = kvdiag.explain_conversation(paths, conv.conversation_id)
+        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns]
+        # a line of several events is cited once
+        for t in one.turns:
+            cited = [e.source for e in t.evidence]
+            assert len(cited) == len(set(cited)), cited
