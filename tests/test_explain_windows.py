@@ -584,3 +584,28 @@ def test_lines_later_than_the_slack_are_what_bisection_can_miss(tmp_path: Path) 
     whole = list(grep_ere(str(path), vllm_ere))
     bisected = _span_lines(str(path), spans, vllm_ere)
     assert len(whole) == len(bisected) + 1 and set(bisected) < set(whole)
+
+
+def test_one_repeated_stat_line_leaves_the_windows_and_every_path_agreeing(tmp_path: Path) -> None:
+    """A log shipper that writes one Engine stat line twice (a retry): the minute's probe still reads P's stat
+    lines as periodic, so explain --all decides the turns only the windows decide as one conversation's explain
+    does (the probe of --all looks at the minute around the middle offer, one conversation's at its own reads)."""
+    shutil.copytree(RUN, tmp_path / "run")
+    paths = sorted(str(p) for p in (tmp_path / "run").iterdir())
+    before = {c.conversation_id: [(t.turn, t.verdict) for t in c.turns] for c in load_turns(paths)}
+    prefill = tmp_path / "run" / "prefill.log"
+    lines = prefill.read_text(encoding="utf-8").splitlines(keepends=True)
+    ticks = [i for i, ln in enumerate(lines) if "Engine 000: Avg prompt throughput" in ln]
+    i = ticks[len(ticks) // 2]
+    prefill.write_text("".join([*lines[:i + 1], lines[i], *lines[i + 1:]]), encoding="utf-8")
+    every = load_turns(paths)
+    assert {c.conversation_id: [(t.turn, t.verdict) for t in c.turns] for c in every} == before
+    for conv in every:
+        one = explain_conversation(paths, conv.conversation_id)
+        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns], conv.conversation_id
+    # control: the same line three times more (several a second) marks the minute not periodic
+    from kvdiag.diagnostics.window_load import _periodic
+
+    minute = [ln.encode() for ln in lines if "Engine 000: Avg prompt throughput" in ln][:8]
+    assert _periodic([*minute, minute[3]])
+    assert not _periodic([*minute, minute[3], minute[3], minute[5]])
