@@ -108,6 +108,10 @@ def role_hint(path: str) -> str | None:
     return None
 
 
+# the keys every TurnEvent has, which no other record's object does
+_EVENT_KEYS: Final = ("v", "source", "event")
+
+
 def sniff_format(head: bytes) -> str:
     """The format of a file from its first bytes: events, client_stats, proxy, vllm or unknown."""
     text = head.decode("utf-8", errors="replace")
@@ -124,7 +128,7 @@ def sniff_format(head: bytes) -> str:
                 obj = json.loads(line)
             except (ValueError, RecursionError):  # (not JSON; an integer past 4300 digits; deep nesting)
                 continue
-            if isinstance(obj, dict) and {"v", "source", "event"} <= obj.keys():
+            if isinstance(obj, dict) and set(_EVENT_KEYS) <= obj.keys():
                 votes["events"] += 1
             elif isinstance(obj, dict) and "conversation_id" in obj:
                 votes["client_stats"] += 1
@@ -156,10 +160,10 @@ def _json_array_kind(text: str) -> str | None:
         # an element longer than the sniffed head is cut: a quoted key still says JSON
         if re.match(r'\{\s*"', body) is None:
             return None
-        return "events" if all(re.search(rf'"{k}"\s*:', body) for k in ("v", "source", "event")) else "client_stats"
+        return "events" if all(re.search(rf'"{k}"\s*:', body) for k in _EVENT_KEYS) else "client_stats"
     if not isinstance(first, dict):
         return None
-    return "events" if {"v", "source", "event"} <= first.keys() else "client_stats"
+    return "events" if set(_EVENT_KEYS) <= first.keys() else "client_stats"
 
 
 def detect(paths: Iterable[str]) -> list[LogFile]:

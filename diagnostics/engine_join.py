@@ -27,7 +27,7 @@ from typing import Final
 
 from kvdiag.diagnostics.conversation_ids import HASH_PREFIX_LENGTHS
 from kvdiag.diagnostics.engine_no_events import EventsOnly
-from kvdiag.diagnostics.engine_parse import EVENT_ORDER, sql_str
+from kvdiag.diagnostics.engine_parse import EVENT_ORDER, EVENT_ORDER_BASE, sql_str
 
 # vLLM kinds only a prefill (reader) engine logs: they tell a file's role when its name does not.
 PREFILL_KINDS: Final = ("declining_expired", "skip_remote_pull")
@@ -62,8 +62,9 @@ MACROS: Final = (
 )
 
 
-# a turn event's (pass, file, line) as one number
+# a turn event's (pass, file, line) as one number, and a slot's: its first event's
 _POS: Final = "(pass::BIGINT << 61) + (f::BIGINT << 40) + n"
+_FIRST_POS: Final = EVENT_ORDER_BASE.format(x="min(pord)")
 _TAG_RE: Final = "|".join(f"[0-9a-f]{{{n}}}" for n in HASH_PREFIX_LENGTHS)
 
 
@@ -109,9 +110,8 @@ def join_sql(only: str | None) -> list[str]:
         # slots made by events: one per request id (its first event's conversation and turn), one per
         # conversation and number for events without a request id. The ids router events have come first
         # (a client event that joins one comes later in pord); the other client events' ids are none of those.
-        # A slot's ord is its first event's (pass, file, line).
-        EventsOnly("""CREATE TEMP TABLE slot_src AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
-             arg_min(turn, pord) AS turn, (min(pord) >> 32)::BIGINT AS ord, 0 AS stage, bool_or(pass = 0) AS routed,
+        EventsOnly(f"""CREATE TEMP TABLE slot_src AS SELECT request_id AS rid, arg_min(cconv, pord) AS conv,
+             arg_min(turn, pord) AS turn, {_FIRST_POS} AS ord, 0 AS stage, bool_or(pass = 0) AS routed,
              bool_or(pass = 1) AS answered FROM tev WHERE pass < 2 AND request_id IS NOT NULL GROUP BY request_id"""),
         # a router-only turn of a conversation and number takes the first other client event of it
         EventsOnly("""CREATE TEMP TABLE lone AS SELECT conv, turn, min(rid) AS rid FROM slot_src
@@ -125,10 +125,10 @@ def join_sql(only: str | None) -> list[str]:
            FROM tev t LEFT JOIN lone_taken lt ON lt.f = t.f AND lt.n = t.n AND lt.sub = t.sub"""),
         "ALTER TABLE slot_src DROP COLUMN routed",
         "ALTER TABLE slot_src DROP COLUMN answered",
-        EventsOnly("""INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord),
-             (min(pord) >> 32)::BIGINT, 0 FROM ev_slot_key
+        EventsOnly(f"""INSERT INTO slot_src SELECT rid, arg_min(cconv, pord), arg_min(turn, pord), {_FIRST_POS}, 0
+           FROM ev_slot_key
            WHERE pass = 2 AND rid IS NOT NULL AND rid NOT IN (SELECT rid FROM slot_src) GROUP BY rid"""),
-        EventsOnly("""INSERT INTO slot_src SELECT NULL, cconv, turn, (min(pord) >> 32)::BIGINT, 0 FROM ev_slot_key
+        EventsOnly(f"""INSERT INTO slot_src SELECT NULL, cconv, turn, {_FIRST_POS}, 0 FROM ev_slot_key
            WHERE rid IS NULL GROUP BY cconv, turn"""),
         # router events without a conversation or turn join by the request id
         EventsOnly("""CREATE TEMP TABLE ev_rid_only AS SELECT f, n, sub, request_id AS rid FROM ev
@@ -208,9 +208,9 @@ def join_sql(only: str | None) -> list[str]:
            LEFT JOIN slots s ON e.sid IS NULL AND s.rid IS NULL AND s.conv = e.cconv AND s.turn = e.turn
            WHERE coalesce(e.sid, s.sid) IS NOT NULL"""),
         # ---- vLLM lines: D's release of the handle a turn was offered, else by the ids a line names
-        """CREATE TEMP TABLE offered AS SELECT offered_id, max(sid) AS sid FROM (
+        f"""CREATE TEMP TABLE offered AS SELECT offered_id, max(sid) AS sid FROM (
              SELECT p.sid, p.offered AS offered_id FROM px_slot p WHERE p.offered IS NOT NULL
-             UNION ALL SELECT es.sid, arg_min(e.remote_request_id, (e.n::HUGEINT << 32) + e.sub)
+             UNION ALL SELECT es.sid, arg_min(e.remote_request_id, {EVENT_ORDER.format(order="e.n", sub="e.sub")})
                FROM ev_slot es JOIN ev e USING (f, n, sub)
                WHERE e.source = 'router' AND e.remote_request_id IS NOT NULL
                  AND es.sid NOT IN (SELECT sid FROM px_slot WHERE offered IS NOT NULL) GROUP BY es.sid)

@@ -309,7 +309,8 @@ def parse_events_sql(fields: Collection[str], *, stats: bool = True) -> list[str
 # An event's place in an order as one number: ``{order}`` (a BIGINT) then ``{sub}``; where the order's low 54
 # bits are the event's line ref, ``EVENT_ORDER_LINE`` gives the ref back.
 EVENT_ORDER: Final = "((({order})::HUGEINT << 32) + {sub})"
-EVENT_ORDER_LINE: Final = "(({x}) >> 32)::BIGINT & ((1::BIGINT << 54) - 1)"
+EVENT_ORDER_BASE: Final = "(({x}) >> 32)::BIGINT"  # the ``{order}`` of an EVENT_ORDER value
+EVENT_ORDER_LINE: Final = EVENT_ORDER_BASE + " & ((1::BIGINT << 54) - 1)"
 EV_ROW_COLUMNS: Final = ("f", "n", "sub", "text", *EVENT_FIELDS, "cconv", "attr_bidir", "attr_block_size", "attr_ttl")
 
 
@@ -333,27 +334,23 @@ def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: 
     events: list[tuple[object, ...]] = []
     stats_rows: list[tuple[object, ...]] = []
     by_file: dict[int, list[tuple[int, str]]] = {}
+    # a JSON array on one line holds several records: ``sub`` tells them apart
     seen: dict[tuple[int, int], int] = {}
-    seen_events: dict[tuple[int, int], int] = {}
     for f, n, line in odd:
         by_file.setdefault(f, []).append((n, line))
     for f, numbered in by_file.items():
         for rec in parse_json_numbered(numbered, paths[f], stats):
+            sub = seen.get((f, rec.lineno), 0)
+            seen[(f, rec.lineno)] = sub + 1
             if isinstance(rec, EventRecord):
                 e = rec.event
                 attrs = e.attrs
                 bidir = attrs.get("bidirectional_kv_xfer")
                 block = attrs.get("block_size")
                 ttl = attrs.get("decoder_kv_blocks_ttl")
-                # (the events of one array line share its place: ``sub`` tells them apart, as for statistics)
-                sub = seen_events.get((f, rec.lineno), 0)
-                seen_events[(f, rec.lineno)] = sub + 1
                 events.append((f, rec.lineno, sub, rec.text, *(getattr(e, c) for c in EVENT_FIELDS), e.conversation_id,
                                bidir if isinstance(bidir, bool) else None, _attr_int(block), json_double(ttl)))
             elif isinstance(rec, ClientStat):
-                # a JSON array on one line holds several records: ``sub`` tells them apart
-                sub = seen.get((f, rec.lineno), 0)
-                seen[(f, rec.lineno)] = sub + 1
                 stats_rows.append((f, rec.lineno, rec.text, rec.conversation_id, rec.ttft_ms, rec.latency_ms,
                                    rec.start_time_ms, rec.input_num_turns, rec.input_num_tokens,
                                    rec.output_num_tokens, rec.turn, rec.request_id, sub))
