@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from kvdiag.diagnostics.detect import detect, expand_paths, role_hint
-from kvdiag.diagnostics.scan import grep_ere, grep_regex
+from kvdiag.diagnostics.detect import detect, expand_paths, open_binary, role_hint
+from kvdiag.diagnostics.json_logs import array_elements
+from kvdiag.diagnostics.scan import grep_ere, grep_regex, is_events_document
 from kvdiag.diagnostics.sources import StagedInputs
 
 Role = Literal["prefill", "decode", "router", "client", "unknown"]
@@ -209,7 +210,16 @@ def remember_marker_lines(path: str, numbered: Iterable[tuple[int, str]], presen
         del _ENGINE_EFFECTS[next(iter(_ENGINE_EFFECTS))]
 
 
-def _scan_events(cfg: DeploymentConfig, path: Path, role: Role) -> None:
+def _scan_events(cfg: DeploymentConfig, path: Path, role: Role, *, document: bool) -> None:
+    if document:  # (one JSON array over many lines: its elements, at the lines they open on)
+        with open_binary(str(path)) as fh:
+            elements = array_elements(fh.read())
+        if elements is not None:  # (as from lines: every engine_start, then the first event with ttl_s)
+            objs = [(lineno, obj) for lineno, obj in elements if isinstance(obj, dict)]
+            for lineno, obj in [*((n, o) for n, o in objs if o.get("event") == "engine_start"),
+                                *[(n, o) for n, o in objs if "ttl_s" in o][:1]]:
+                _from_event(cfg, obj, role, f"{path}:{lineno}")
+            return
     for lineno, line in _lines(path, ('"engine_start"',)):
         _from_json(cfg, line, role, f"{path}:{lineno}")
     # Every router/decode event may carry ttl_s: the first one is enough. grep_regex (in-process)
@@ -224,8 +234,9 @@ def _from_json(cfg: DeploymentConfig, line: str, role: Role, where: str) -> None
         obj = json.loads(line)
     except (ValueError, RecursionError):  # (not JSON; an integer past 4300 digits; deep nesting)
         return
-    if isinstance(obj, dict):
-        _from_event(cfg, obj, role, where)
+    for item in obj if isinstance(obj, list) else [obj]:  # (a line may hold a batch of events)
+        if isinstance(item, dict):
+            _from_event(cfg, item, role, where)
 
 
 def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
@@ -236,7 +247,7 @@ def scan_config(paths: Sequence[str | Path]) -> DeploymentConfig:
         role = guess_role(path)
         cfg.files[f.path] = f"{f.fmt}/{role}"
         if f.fmt == "events":
-            _scan_events(cfg, path, role)
+            _scan_events(cfg, path, role, document=is_events_document(f))
         elif f.fmt in ("vllm", "proxy", "unknown"):
             key = _identity(f.path) if f.fmt in ("vllm", "proxy") else None
             effects = _ENGINE_EFFECTS.pop(key, None) if key is not None else None

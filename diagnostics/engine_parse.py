@@ -24,14 +24,11 @@ from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Final
 
 from kvdiag.diagnostics import vllm_log_parser as vllm_log
-from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, json_double, parse_json_numbered
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats, decode_line
 from kvdiag.schema.events import (
     EVENTS_BY_SOURCE,
     FIELD_NAMES,
     FLOAT_FIELDS,
-    INT64_MAX,
-    INT64_MIN,
     INT_FIELDS,
     NON_NEGATIVE,
     RELEASE_REASONS,
@@ -323,70 +320,6 @@ def ev_view_sql(columns: Collection[str]) -> str:
 
 CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latency_ms", "start_time_ms",
                          "input_num_turns", "input_num_tokens", "output_num_tokens", "turn", "request_id", "sub")
-
-
-def read_odd_json(con: duckdb.DuckDBPyConnection, paths: dict[int, str], stats: LineStats) -> list[str]:
-    """The JSON lines the SQL checks did not vouch for, read by json_logs: records go into ev / cs,
-    corrupt lines into the counts and notes. Returns the event columns they set that no SQL-read line had."""
-    odd = con.execute("SELECT f, n, line FROM json_odd ORDER BY f, n").fetchall()
-    if not odd:
-        return []
-    events: list[tuple[object, ...]] = []
-    stats_rows: list[tuple[object, ...]] = []
-    by_file: dict[int, list[tuple[int, str]]] = {}
-    # a JSON array on one line holds several records: ``sub`` tells them apart
-    seen: dict[tuple[int, int], int] = {}
-    for f, n, line in odd:
-        by_file.setdefault(f, []).append((n, line))
-    for f, numbered in by_file.items():
-        for rec in parse_json_numbered(numbered, paths[f], stats):
-            sub = seen.get((f, rec.lineno), 0)
-            seen[(f, rec.lineno)] = sub + 1
-            if isinstance(rec, EventRecord):
-                e = rec.event
-                attrs = e.attrs
-                bidir = attrs.get("bidirectional_kv_xfer")
-                block = attrs.get("block_size")
-                ttl = attrs.get("decoder_kv_blocks_ttl")
-                events.append((f, rec.lineno, sub, rec.text, *(getattr(e, c) for c in EVENT_FIELDS), e.conversation_id,
-                               bidir if isinstance(bidir, bool) else None, _attr_int(block), json_double(ttl)))
-            elif isinstance(rec, ClientStat):
-                stats_rows.append((f, rec.lineno, rec.text, rec.conversation_id, rec.ttft_ms, rec.latency_ms,
-                                   rec.start_time_ms, rec.input_num_turns, rec.input_num_tokens,
-                                   rec.output_num_tokens, rec.turn, rec.request_id, sub))
-    _append_rows(con, "cs", CS_ROW_COLUMNS, stats_rows)
-    return _append_events(con, events)
-
-
-def _attr_int(value: object) -> int | None:
-    """An attrs integer as the SQL read types it: a JSON integer a 64-bit word holds, else none."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX else None
-
-
-def _append_events(con: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]) -> list[str]:
-    """Rows of EV_ROW_COLUMNS into ev_t, which gets the columns they set that no SQL-read line had (returned)."""
-    if not rows:
-        return []
-    have = [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = 'ev_t' "
-                                      "ORDER BY column_index").fetchall()]
-    # (``sub`` only where some line held several events: ev reads 0 for it otherwise, and so do the rows before)
-    new = [c for i, c in enumerate(EV_ROW_COLUMNS) if c not in have
-           and (any(r[i] for r in rows) if c == "sub" else any(r[i] is not None for r in rows))]
-    for c in new:
-        con.execute(f"ALTER TABLE ev_t ADD COLUMN {c} {ev_column_type(c)}{' DEFAULT 0' if c == 'sub' else ''}")
-    if new:
-        con.execute(ev_view_sql([*have, *new]))
-    keep = [i for i, c in enumerate(EV_ROW_COLUMNS) if c in have or c in new]
-    _append_rows(con, "ev_t", tuple(EV_ROW_COLUMNS[i] for i in keep), [tuple(r[i] for i in keep) for r in rows])
-    return new
-
-
-def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str, ...],
-                 rows: list[tuple[object, ...]]) -> None:
-    if not rows:
-        return
-    placeholders = ", ".join("?" for _ in columns)
-    con.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({placeholders})", rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -280,6 +280,36 @@ def parse_json_document(data: bytes, path: str, stats: LineStats | None = None) 
         yield rec
 
 
+def parse_event_document(data: bytes, path: str, stats: LineStats) -> list[EventRecord | ClientStat] | None:
+    """The records of an event file that is one JSON array over many lines, each at the line its element opens
+    on; None (``stats`` untouched) when the file is no valid JSON array, which is then read as lines."""
+    elements = array_elements(data)
+    if elements is None:
+        return None
+    out: list[EventRecord | ClientStat] = []
+    for lineno, item in elements:
+        stats.lines += 1
+        rec = _record(item, path, lineno, json.dumps(item), stats)
+        if rec is not None:
+            stats.records += 1
+            out.append(rec)
+    return out
+
+
+def array_elements(data: bytes) -> list[tuple[int, Any]] | None:
+    """The elements of a file that is one JSON array, each with the 1-based line it opens on (its index where that
+    cannot be told); None when the file is no valid UTF-8 JSON array."""
+    try:
+        text = data.decode("utf-8")
+        doc = json.loads(text)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None
+    if not isinstance(doc, list):
+        return None
+    lines = _element_lines(text, None, len(doc)) or list(range(1, len(doc) + 1))
+    return list(zip(lines, doc, strict=True))
+
+
 def _element_lines(text: str, key: str | None, count: int) -> list[int]:
     """The 1-based line each element of the document's record list starts on (evidence ``file:line``).
 

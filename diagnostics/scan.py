@@ -20,7 +20,7 @@ import sysconfig
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final
+from typing import Final, Literal
 
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary, whole_line_blocks
 
@@ -463,22 +463,34 @@ def is_stats_document(lf: LogFile) -> bool:
     return lf.fmt == "client_stats" and is_json_document(lf.path)
 
 
+def is_events_document(lf: LogFile) -> bool:
+    """True for an event file that is one JSON array spread over many lines (``json.dump(events, f, indent=2)``),
+    read whole. An array on one line is a batch of events: read as lines are, like the lines after it."""
+    return lf.fmt == "events" and _document_shape(lf.path) == "spread"
+
+
 def is_json_document(path: str) -> bool:
     """True for a client-statistics file that is one JSON document (an array), not JSON lines (whose first line may
     be a whole array too: records written a batch to a line; more lines follow it)."""
+    return _document_shape(path) != "lines"
+
+
+def _document_shape(path: str) -> Literal["lines", "one_line", "spread"]:
+    """"spread": the file opens a JSON array whose first line is no whole value (a pretty-printed document);
+    "one_line": it opens one and holds one line (or a first line over a megabyte); "lines" otherwise."""
     with open_binary(path) as fh:
         head = fh.read(4096)
         if not head.lstrip().startswith(b"["):
-            return False
+            return "lines"
         fh.seek(len(head) - len(head.lstrip()))
         first = fh.readline(1 << 20)
         if not first.endswith(b"\n") or not fh.read(4096).strip():
-            return True  # (one line, or one over a megabyte: read whole either way)
+            return "one_line"
     try:
         json.loads(first)
     except (ValueError, RecursionError):
-        return True  # (a pretty-printed document's first line is no whole value)
-    return False
+        return "spread"
+    return "lines"
 
 
 def read_all_lines(path: str, progress: ProgressFn | None = None) -> Iterator[tuple[int, bytes]]:

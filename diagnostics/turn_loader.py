@@ -29,7 +29,7 @@ from kvdiag.diagnostics.fix_hints import FixContext, fix_hint
 from kvdiag.diagnostics.json_logs import ClientStat, parse_json_document
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.records import ConversationRecord, ConversationSummary, Evidence, TurnRecord
-from kvdiag.diagnostics.scan import grep_regex, is_stats_document
+from kvdiag.diagnostics.scan import grep_regex, is_events_document, is_stats_document
 from kvdiag.diagnostics.sources import StagedInputs, stage_inputs
 from kvdiag.schema.errors import KVDiagError
 from kvdiag.schema.verdicts import VERDICT_INFO, Confidence, Verdict
@@ -363,6 +363,9 @@ class _PreparedRun:
 
 def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: ProgressFn | None,
                          prepared: _PreparedRun, *, stats: LineStats) -> ConversationRecord:
+    if any(is_events_document(f) for f in files):  # (its lines naming the conversation are no whole records)
+        prepared.close()
+        return _explain_from_every_line(files, conversation_id, progress, stats)
     tick = _Progress(sum(f.size for f in files), progress, 2)
     documents = [f for f in files if is_stats_document(f)]
     first_stats = LineStats()
@@ -376,6 +379,7 @@ def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: P
         stats.merge(first_stats)  # (the engine reads none of these lines: their corrupt ones are counted here)
         raise ConversationNotFoundError(conversation_id, closest_ids(files, conversation_id))
     from kvdiag.diagnostics import verdict_engine as engine  # noqa: PLC0415
+    from kvdiag.diagnostics.engine_json_records import add_document  # noqa: PLC0415
 
     if len(sel.ids) == 1:
         run = prepared.take()
@@ -390,7 +394,7 @@ def _explain_prefiltered(files: list[LogFile], conversation_id: str, progress: P
                 if lf.fmt == "unknown":
                     run.stats.unrecognised_files.append(lf.path)
                 elif lf in documents:
-                    engine.add_document(run, f)
+                    add_document(run, f)
                 elif lf.path in sel.kept:
                     engine.add_lines(run, f, sel.kept[lf.path])
             engine.parse(run)

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from kvdiag.diagnostics import duckdb_api
+from kvdiag.diagnostics import engine_json_records as jr
 from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics.detect import LogFile, LogReadError, open_binary
 from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
 from kvdiag.diagnostics.engine_facts import facts_sql
 from kvdiag.diagnostics.engine_join import BulkOnly, FewRowsOnly, join_sql
 from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion, branch_statements, stand_in
-from kvdiag.diagnostics.json_logs import parse_json_document
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql, pick_sql
 from kvdiag.diagnostics.scan import (
@@ -40,6 +40,7 @@ from kvdiag.diagnostics.scan import (
     grep_ere,
     grep_ere_to_file,
     grep_regex,
+    is_events_document,
     is_stats_document,
     ripgrep,
     rust_escape,
@@ -92,6 +93,7 @@ class Run:
     side_markers: dict[int, tuple[str, ...]] = field(default_factory=dict)
     few_rows: bool = False  # set by use_few_rows
     documents: bool = False  # add_document wrote cs_doc (a catalog lookup costs a conversation's run 11 ms)
+    document_events: list[tuple[object, ...]] = field(default_factory=list)  # add_event_document's (EV_ROW_COLUMNS)
     # the event fields some event line sets (parse learns them; the others are NULL in every event)
     event_columns: frozenset[str] | None = None
 
@@ -379,7 +381,11 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                             progress(lf.size)
                     continue
                 if is_stats_document(lf):
-                    add_document(run, f)
+                    jr.add_document(run, f)
+                    continue
+                if is_events_document(lf) and jr.add_event_document(run, f):
+                    if progress is not None:
+                        progress(lf.size)
                     continue
                 plain = _plain(lf.path)
                 if plain == "plain":
@@ -417,27 +423,6 @@ def load_files(run: Run, progress: Callable[[int], None] | None = None) -> None:
                 if isinstance(got, tuple):
                     with contextlib.suppress(OSError):
                         os.unlink(got[0])
-
-
-def add_document(run: Run, f: int) -> None:
-    """A client-statistics file that is one JSON document (json_logs reads it whole)."""
-    path = run.files[f].path
-    try:
-        with open_binary(path) as fh:
-            data = fh.read()
-    except (OSError, EOFError) as exc:
-        raise LogReadError(f"cannot read {path}: {exc}") from None
-    run.con.execute("CREATE TEMP TABLE IF NOT EXISTS cs_doc AS SELECT * FROM (SELECT NULL::INTEGER AS f, "
-                    "NULL::BIGINT AS n, NULL::VARCHAR AS text, NULL::VARCHAR AS conversation_id, NULL::DOUBLE AS "
-                    "ttft_ms, NULL::DOUBLE AS latency_ms, NULL::DOUBLE AS start_time_ms, NULL::BIGINT AS "
-                    "input_num_turns, NULL::BIGINT AS input_num_tokens, NULL::BIGINT AS output_num_tokens, "
-                    "NULL::BIGINT AS turn, NULL::VARCHAR AS request_id, 0 AS sub) WHERE false")
-    rows = [(f, r.lineno, r.text, r.conversation_id, r.ttft_ms, r.latency_ms, r.start_time_ms, r.input_num_turns,
-             r.input_num_tokens, r.output_num_tokens, r.turn, r.request_id, 0)
-            for r in parse_json_document(data, path, run.stats)]
-    run.documents = True
-    if rows:
-        run.con.executemany("INSERT INTO cs_doc VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
 
 def parse(run: Run) -> None:
@@ -479,7 +464,8 @@ def parse(run: Run) -> None:
         run.con.execute("DROP TABLE vl_head")
     if run.documents:
         run.con.execute("INSERT INTO cs SELECT * FROM cs_doc")
-    run.event_columns = frozenset((*fields, *ep.read_odd_json(run.con, run.paths, run.stats)))
+    run.event_columns = frozenset((*fields, *jr.read_odd_json(run.con, run.paths, run.stats),
+                                   *jr.append_events(run.con, run.document_events)))
 
 
 VIEWS_SQL: Final = """CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);

@@ -172,3 +172,25 @@ def test_config_cache_hits_and_misses_on_change(tmp_path: Path, monkeypatch: pyt
     _write(log, STARTUP.format(ttl=900) + "\n")
     changed = advise_config.scan_config_cached([str(log)], cache)
     assert changed.decoder_ttl is not None and changed.decoder_ttl.value == 900.0 and len(calls) == 1
+
+
+@pytest.mark.parametrize("shape", ["document", "batched"])
+def test_config_from_engine_start_events_in_a_json_array(tmp_path: Path, shape: str) -> None:
+    # the engines' configuration events written as one pretty-printed array, or two to a line: both are read
+    start = {"v": 1, "ts": 1764400000.0, "source": "decode", "event": "engine_start",
+             "attrs": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 300,
+                       "kv_load_failure_policy": "recompute"}}
+    retained = {"v": 1, "ts": 1764400001.0, "source": "decode", "event": "kv_retained", "conversation_id": "c",
+                "turn": 1, "request_id": "r1", "ttl_s": 300}
+    path = tmp_path / "decode-events.jsonl"
+    if shape == "document":
+        path.write_text(json.dumps([start, retained], indent=2) + "\n", encoding="utf-8")
+    else:
+        path.write_text(json.dumps([start, retained]) + "\n" + json.dumps({**retained, "turn": 2}) + "\n",
+                        encoding="utf-8")
+    cfg = scan_config([path])
+    assert cfg.decoder_ttl is not None and cfg.decoder_ttl.value == 300
+    assert cfg.bidirectional_decode is not None and cfg.bidirectional_decode.value is True
+    assert cfg.failure_policy is not None and cfg.failure_policy.value == "recompute"
+    where = cfg.bidirectional_decode.source
+    assert where == f"{path}:{2 if shape == 'document' else 1}", where

@@ -24,6 +24,7 @@ from kvdiag.diagnostics import engine_parse as ep
 from kvdiag.diagnostics import engine_proxy
 from kvdiag.diagnostics import verdict_engine as engine
 from kvdiag.diagnostics.detect import LogFile
+from kvdiag.diagnostics.engine_json_records import read_odd_json
 from kvdiag.diagnostics.engine_proxy import longest_literal
 from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_numbered
 from kvdiag.diagnostics.linestats import LineStats
@@ -72,7 +73,7 @@ def _engine(files: list[Path], *, ascii_branch: bool = True, words: bool = False
         con.execute(q)
     present = [w for (w,) in con.execute(f"SELECT DISTINCT {ep.VLLM_WORD} FROM vl_head").fetchall()]
     con.execute(ep.vllm_records_sql(present if words else None, ascii_branch=ascii_branch))
-    ep.read_odd_json(con, {f: str(p) for f, p in enumerate(files)}, LineStats())
+    read_odd_json(con, {f: str(p) for f, p in enumerate(files)}, LineStats())
     return con, loaded
 
 

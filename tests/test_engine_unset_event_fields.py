@@ -25,7 +25,7 @@ from kvdiag.diagnostics.event_table_columns import EVENT_TABLE_COLUMNS
 from kvdiag.diagnostics.report_synth import SynthParams, client_events, router_events, synthetic_conversations
 from kvdiag.diagnostics.turn_loader import run_all
 
-_READ_ODD_JSON = verdict_engine.ep.read_odd_json
+_READ_ODD_JSON = verdict_engine.jr.read_odd_json
 
 # fields the synthetic events may lose (the keys every event needs stay)
 _DROPPABLE = ("completion_tokens", "computed_tokens", "duration_ms", "gap_s", "handle_tokens", "local_hit_tokens",
@@ -136,5 +136,5 @@ def test_a_field_only_lines_python_reads_set_is_bound(tmp_path: Path, monkeypatc
     assert _turns(files) == narrowed
     # negative control: the fields the JSON array set, not noted, lose its ttft_ms
     monkeypatch.undo()
-    monkeypatch.setattr(verdict_engine.ep, "read_odd_json", lambda *a: (_READ_ODD_JSON(*a), [])[1])
+    monkeypatch.setattr(verdict_engine.jr, "read_odd_json", lambda *a: (_READ_ODD_JSON(*a), [])[1])
     assert _turns(files) != narrowed

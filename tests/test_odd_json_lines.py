@@ -23,6 +23,7 @@ from kvdiag.diagnostics.json_logs import ClientStat, EventRecord, parse_json_num
 from kvdiag.diagnostics.linestats import LineStats
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.scan import is_json_document
+from kvdiag.diagnostics.turn_loader import summarize_conversations
 from kvdiag.diagnostics.vllm_log_parser import parse_vllm_numbered
 from kvdiag.schema.events import EventFormatError, parse_event
 
@@ -181,3 +182,58 @@ def test_every_event_file_batched_into_arrays_gives_the_turns_and_table_of_one_e
         for t in one.turns:
             cited = [e.source for e in t.evidence]
             assert len(cited) == len(set(cited)), cited
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_event_files_pretty_printed_as_one_json_array_give_the_turns_of_one_event_per_line(
+        tmp_path: Path, seed: int) -> None:
+    # json.dump(events, f, indent=2): an export, or a shipper writing one document. Before, its lines were read
+    # one by one, each counted corrupt, and the turns its events make were lost.
+    load_gen_logs().generate(tmp_path, 60_000, seed=seed, noise_per_turn=1)
+    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
+
+    def turns(convs: list[ConversationRecord]) -> dict[str, list[dict[str, object]]]:
+        # evidence cites the element's first line, so only its files are compared
+        return {c.conversation_id: [{**t.__dict__, "evidence": sorted(Path(e.source.split(":")[0]).name
+                                                                        for e in t.evidence)}
+                                    for t in c.turns] for c in convs}
+
+    apart = turns(kvdiag.load_turns(paths))
+    table_apart = kvdiag.load_turn_table(paths)
+    summaries_apart = [(s.conversation_id, s.verdicts) for s in summarize_conversations(paths)]
+    starts: dict[str, list[int]] = {}
+    for name in ("router-events.jsonl", "client.jsonl", "prefill-events.jsonl"):
+        f = tmp_path / name
+        records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+        text = json.dumps(records, indent=2)
+        f.write_text(text + "\n", encoding="utf-8")
+        starts[name] = [n for n, line in enumerate(text.splitlines(), start=1) if line == "  {"]
+        assert len(starts[name]) == len(records)
+    stats = LineStats()
+    every = kvdiag.load_turns(paths, stats=stats)
+    assert turns(every) == apart
+    assert stats.corrupt == 0
+    assert kvdiag.load_turn_table(paths).equals(table_apart)
+    assert [(s.conversation_id, s.verdicts) for s in summarize_conversations(paths)] == summaries_apart
+    # each event cited at the line its element opens on
+    cited = {(Path(p).name, int(n)) for c in every for t in c.turns for e in t.evidence
+             for p, n in [e.source.rsplit(":", 1)] if Path(p).name in starts}
+    assert cited and all(n in starts[name] for name, n in cited)
+    for conv in every[:4]:
+        one = kvdiag.explain_conversation(paths, conv.conversation_id)
+        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns]
+
+
+def test_an_event_document_that_is_no_valid_json_is_read_as_lines(tmp_path: Path) -> None:
+    # a pretty-printed array cut short (a file still being written): its whole lines are read as lines, so the
+    # events written one to a line after it are not lost, and the fragments are counted
+    events = [{**EVENT, "turn": k, "request_id": f"r{k}"} for k in (1, 2)]
+    path = tmp_path / "client.jsonl"
+    path.write_text(json.dumps(events, indent=2)[:-5] + "\n" + json.dumps({**EVENT, "turn": 3, "request_id": "r3"})
+                    + "\n", encoding="utf-8")
+    files = detect([str(path)])
+    assert files[0].fmt == "events"
+    stats = LineStats()
+    convs = kvdiag.load_turns([str(path)], stats=stats)
+    assert [t.turn for c in convs for t in c.turns] == [3]
+    assert stats.corrupt > 0
