@@ -96,11 +96,12 @@ def _append_rows(con: duckdb.DuckDBPyConnection, table: str, columns: tuple[str,
 
 
 def add_document(run: Run, f: int) -> None:
-    """A client-statistics file that is one JSON document (json_logs reads it whole)."""
+    """A client-statistics file that is one JSON document (json_logs reads it whole). Written compact, all its
+    records are on line 1: ``sub`` tells them apart."""
     path = run.files[f].path
-    _add_document_stats(run, [(f, r.lineno, r.text, r.conversation_id, r.ttft_ms, r.latency_ms, r.start_time_ms,
-                               r.input_num_turns, r.input_num_tokens, r.output_num_tokens, r.turn, r.request_id, 0)
-                              for r in parse_json_document(_whole(path), path, run.stats)])
+    rows: list[tuple[object, ...]] = []
+    record_rows(f, parse_json_document(_whole(path), path, run.stats), [], rows)
+    _add_document_stats(run, rows)
 
 
 def add_event_document(run: Run, f: int) -> bool:

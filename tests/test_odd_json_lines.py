@@ -237,3 +237,32 @@ def test_an_event_document_that_is_no_valid_json_is_read_as_lines(tmp_path: Path
     convs = kvdiag.load_turns([str(path)], stats=stats)
     assert [t.turn for c in convs for t in c.turns] == [3]
     assert stats.corrupt > 0
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_client_statistics_as_one_json_document_give_the_turns_of_json_lines(tmp_path: Path, indent: int | None
+                                                                              ) -> None:
+    # vLLM's --stats-json-output is one document; written compact, every record is on line 1, and they must not
+    # be taken for each other (each is known by its line and its place in it)
+    load_gen_logs().generate(tmp_path, 60_000, seed=4, noise_per_turn=1)
+    for name in ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl"):
+        (tmp_path / name).unlink()  # (stock: the statistics alone say what each turn's client saw)
+    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
+
+    def turns(convs: list[ConversationRecord]) -> dict[str, list[dict[str, object]]]:
+        return {c.conversation_id: [{**t.__dict__, "evidence": sorted(Path(e.source.split(":")[0]).name
+                                                                        for e in t.evidence)}
+                                    for t in c.turns] for c in convs}
+
+    apart = turns(kvdiag.load_turns(paths))
+    table_apart = kvdiag.load_turn_table(paths)
+    stats_file = tmp_path / "client-stats.jsonl"
+    records = [json.loads(line) for line in stats_file.read_text(encoding="utf-8").splitlines()]
+    stats_file.write_text(json.dumps(records, indent=indent) + "\n", encoding="utf-8")
+    assert is_json_document(str(stats_file))
+    assert turns(kvdiag.load_turns(paths)) == apart
+    assert kvdiag.load_turn_table(paths).equals(table_apart)
+    every = kvdiag.load_turns(paths)
+    for conv in every[:4]:
+        one = kvdiag.explain_conversation(paths, conv.conversation_id)
+        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns]
