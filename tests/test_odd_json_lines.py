@@ -13,6 +13,7 @@ import json
 import random
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from gen_logs_support import load_gen_logs
 
@@ -145,25 +146,50 @@ def test_router_events_batched_on_one_line_make_the_turns_they_make_apart(tmp_pa
     assert batched[conv] == apart[conv]
 
 
+_EVENT_FILES = ("router-events.jsonl", "client.jsonl", "prefill-events.jsonl")
+
+
+def _turns_by_file(convs: list[ConversationRecord]) -> dict[str, list[dict[str, object]]]:
+    """Each conversation's turns, their evidence as the files it cites (the lines differ when records that were
+    one to a line are gathered into an array)."""
+    return {c.conversation_id: [{**t.__dict__, "evidence": sorted(Path(e.source.split(":")[0]).name
+                                                                    for e in t.evidence)}
+                                for t in c.turns] for c in convs}
+
+
+def _generated(tmp_path: Path, seed: int, *, stock: bool = False
+               ) -> tuple[list[str], dict[str, list[dict[str, object]]], pa.Table]:
+    """A generated log set (``stock``: without the event files), its turns (_turns_by_file) and its turn table."""
+    load_gen_logs().generate(tmp_path, 60_000, seed=seed, noise_per_turn=1)
+    for name in _EVENT_FILES if stock else ():
+        (tmp_path / name).unlink()
+    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
+    return paths, _turns_by_file(kvdiag.load_turns(paths)), kvdiag.load_turn_table(paths)
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _one_conversation_agrees(paths: list[str], every: list[ConversationRecord]) -> None:
+    """One conversation's explain gives the records ``every`` (explain --all) gives, each line cited once."""
+    for conv in every[:4]:
+        one = kvdiag.explain_conversation(paths, conv.conversation_id)
+        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns]
+        for t in one.turns:
+            cited = [e.source for e in t.evidence]
+            assert len(cited) == len(set(cited)), cited
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_every_event_file_batched_into_arrays_gives_the_turns_and_table_of_one_event_per_line(
         tmp_path: Path, seed: int) -> None:
-    load_gen_logs().generate(tmp_path, 60_000, seed=seed, noise_per_turn=1)
-    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
-
-    def turns(convs: list[ConversationRecord]) -> dict[str, list[dict[str, object]]]:
-        # evidence cites the array line, so only its files and count are compared
-        return {c.conversation_id: [{**t.__dict__, "evidence": sorted(Path(e.source.split(":")[0]).name
-                                                                        for e in t.evidence)}
-                                    for t in c.turns] for c in convs}
-
-    apart = turns(kvdiag.load_turns(paths))
-    table_apart = kvdiag.load_turn_table(paths)
+    paths, apart, table_apart = _generated(tmp_path, seed)
     rng = random.Random(seed)
     batched_lines = 0
-    for name in ("router-events.jsonl", "client.jsonl", "prefill-events.jsonl"):
+    for name in _EVENT_FILES:
         f = tmp_path / name
-        records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+        records = _records(f)
         out, i = [], 0
         while i < len(records):
             k = rng.randint(1, 4)
@@ -173,15 +199,9 @@ def test_every_event_file_batched_into_arrays_gives_the_turns_and_table_of_one_e
         f.write_text("\n".join(out) + "\n", encoding="utf-8")
     assert batched_lines > 10
     batched = kvdiag.load_turns(paths)
-    assert turns(batched) == apart
+    assert _turns_by_file(batched) == apart
     assert kvdiag.load_turn_table(paths).equals(table_apart)
-    for conv in batched[:4]:
-        one = kvdiag.explain_conversation(paths, conv.conversation_id)
-        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns]
-        # a line of several events is cited once
-        for t in one.turns:
-            cited = [e.source for e in t.evidence]
-            assert len(cited) == len(set(cited)), cited
+    _one_conversation_agrees(paths, batched)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -189,29 +209,18 @@ def test_event_files_pretty_printed_as_one_json_array_give_the_turns_of_one_even
         tmp_path: Path, seed: int) -> None:
     # json.dump(events, f, indent=2): an export, or a shipper writing one document. Before, its lines were read
     # one by one, each counted corrupt, and the turns its events make were lost.
-    load_gen_logs().generate(tmp_path, 60_000, seed=seed, noise_per_turn=1)
-    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
-
-    def turns(convs: list[ConversationRecord]) -> dict[str, list[dict[str, object]]]:
-        # evidence cites the element's first line, so only its files are compared
-        return {c.conversation_id: [{**t.__dict__, "evidence": sorted(Path(e.source.split(":")[0]).name
-                                                                        for e in t.evidence)}
-                                    for t in c.turns] for c in convs}
-
-    apart = turns(kvdiag.load_turns(paths))
-    table_apart = kvdiag.load_turn_table(paths)
+    paths, apart, table_apart = _generated(tmp_path, seed)
     summaries_apart = [(s.conversation_id, s.verdicts) for s in summarize_conversations(paths)]
     starts: dict[str, list[int]] = {}
-    for name in ("router-events.jsonl", "client.jsonl", "prefill-events.jsonl"):
-        f = tmp_path / name
-        records = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()]
+    for name in _EVENT_FILES:
+        records = _records(tmp_path / name)
         text = json.dumps(records, indent=2)
-        f.write_text(text + "\n", encoding="utf-8")
+        (tmp_path / name).write_text(text + "\n", encoding="utf-8")
         starts[name] = [n for n, line in enumerate(text.splitlines(), start=1) if line == "  {"]
         assert len(starts[name]) == len(records)
     stats = LineStats()
     every = kvdiag.load_turns(paths, stats=stats)
-    assert turns(every) == apart
+    assert _turns_by_file(every) == apart
     assert stats.corrupt == 0
     assert kvdiag.load_turn_table(paths).equals(table_apart)
     assert [(s.conversation_id, s.verdicts) for s in summarize_conversations(paths)] == summaries_apart
@@ -219,9 +228,7 @@ def test_event_files_pretty_printed_as_one_json_array_give_the_turns_of_one_even
     cited = {(Path(p).name, int(n)) for c in every for t in c.turns for e in t.evidence
              for p, n in [e.source.rsplit(":", 1)] if Path(p).name in starts}
     assert cited and all(n in starts[name] for name, n in cited)
-    for conv in every[:4]:
-        one = kvdiag.explain_conversation(paths, conv.conversation_id)
-        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns]
+    _one_conversation_agrees(paths, every)
 
 
 def test_an_event_document_that_is_no_valid_json_is_read_as_lines(tmp_path: Path) -> None:
@@ -244,25 +251,12 @@ def test_client_statistics_as_one_json_document_give_the_turns_of_json_lines(tmp
                                                                               ) -> None:
     # vLLM's --stats-json-output is one document; written compact, every record is on line 1, and they must not
     # be taken for each other (each is known by its line and its place in it)
-    load_gen_logs().generate(tmp_path, 60_000, seed=4, noise_per_turn=1)
-    for name in ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl"):
-        (tmp_path / name).unlink()  # (stock: the statistics alone say what each turn's client saw)
-    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
-
-    def turns(convs: list[ConversationRecord]) -> dict[str, list[dict[str, object]]]:
-        return {c.conversation_id: [{**t.__dict__, "evidence": sorted(Path(e.source.split(":")[0]).name
-                                                                        for e in t.evidence)}
-                                    for t in c.turns] for c in convs}
-
-    apart = turns(kvdiag.load_turns(paths))
-    table_apart = kvdiag.load_turn_table(paths)
+    # (stock: the statistics alone say what each turn's client saw)
+    paths, apart, table_apart = _generated(tmp_path, 4, stock=True)
     stats_file = tmp_path / "client-stats.jsonl"
-    records = [json.loads(line) for line in stats_file.read_text(encoding="utf-8").splitlines()]
-    stats_file.write_text(json.dumps(records, indent=indent) + "\n", encoding="utf-8")
+    stats_file.write_text(json.dumps(_records(stats_file), indent=indent) + "\n", encoding="utf-8")
     assert is_json_document(str(stats_file))
-    assert turns(kvdiag.load_turns(paths)) == apart
-    assert kvdiag.load_turn_table(paths).equals(table_apart)
     every = kvdiag.load_turns(paths)
-    for conv in every[:4]:
-        one = kvdiag.explain_conversation(paths, conv.conversation_id)
-        assert [t.__dict__ for t in one.turns] == [t.__dict__ for t in conv.turns]
+    assert _turns_by_file(every) == apart
+    assert kvdiag.load_turn_table(paths).equals(table_apart)
+    _one_conversation_agrees(paths, every)
