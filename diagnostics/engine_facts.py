@@ -96,7 +96,8 @@ def facts_sql(vl_kinds: Collection[str] | None = None, event_columns: Collection
         # ---- the proxy's request (engine_join folds its lines into px_slot; a line's place is its ref): the last
         # line is the last of its own lines, its stored handle and a "not caching" line naming no request
         f"""CREATE TEMP VIEW px_facts AS
-            SELECT p.sid, p.rid AS px_rid, p.seq AS px_seq, p.lookup AS px_lookup, p.stored_seq,
+            SELECT p.sid, p.rid AS px_rid, p.seq AS px_seq, p.po AS px_po, p.lookup AS px_lookup, p.stored_seq,
+              p.stored_po AS px_stored_po,
               p.head_age AS px_age, p.head_ttl AS px_ttl, p.first_ref AS px_first,
               {_PX_LAST} AS px_last, ({_PX_LAST} >> 40)::INTEGER AS px_last_f,
               p.first_ts AS px_first_ts, p.sending AS px_sending, p.miss AS px_miss, p.prefill_ms AS px_prefill_ms,

@@ -68,8 +68,9 @@ _FIRST_POS: Final = EVENT_ORDER_BASE.format(x="min(pord)")
 _TAG_RE: Final = "|".join(f"[0-9a-f]{{{n}}}" for n in HASH_PREFIX_LENGTHS)
 
 
-def join_sql(only: str | None) -> list[str]:
-    """The statements that build the slots and every record's slot (``only``: one conversation's turns)."""
+def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
+    """The statements that build the slots and every record's slot (``only``: one conversation's turns;
+    ``merged``: several proxy logs, their lines ordered by ``po``)."""
     only_sql = "true" if only is None else f"cconv = {sql_str(only)}"
     lengths = " UNION ALL ".join(f"SELECT {n} AS len" for n in HASH_PREFIX_LENGTHS)
     return [
@@ -135,22 +136,22 @@ def join_sql(only: str | None) -> list[str]:
            WHERE source = 'router' AND (cconv IS NULL OR turn IS NULL) AND request_id IN
              (SELECT rid FROM slot_src WHERE rid IS NOT NULL)"""),
         # ---- 2. the proxy's requests
-        *_proxy_requests_sql(only_sql),
+        *_proxy_requests_sql(only_sql, merged=merged),
         # the k-th request of a conversation no event names is turn k, unless an event holds that number (only
         # those that clash are numbered after the last turn)
         """CREATE TEMP TABLE px_new AS
-           WITH q AS (SELECT rid, conv, seq, row_number() OVER (PARTITION BY conv ORDER BY seq) AS k FROM px_req
+           WITH q AS (SELECT rid, conv, po, row_number() OVER (PARTITION BY conv ORDER BY po) AS k FROM px_req
                       WHERE conv IS NOT NULL),
            taken AS (SELECT conv, turn FROM slot_src WHERE rid IS NOT NULL),
            pick AS (SELECT q.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = q.conv AND t.turn = q.k) AS clash FROM q
                     WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL))
-           SELECT rid, conv, seq, k AS turn FROM pick WHERE NOT clash
-           UNION ALL SELECT rid, conv, seq,
+           SELECT rid, conv, po, k AS turn FROM pick WHERE NOT clash
+           UNION ALL SELECT rid, conv, po,
                greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = c.conv), 0),
                         coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = c.conv AND NOT p2.clash), 0))
-               + row_number() OVER (PARTITION BY conv ORDER BY seq)
+               + row_number() OVER (PARTITION BY conv ORDER BY po)
            FROM pick c WHERE clash""",
-        """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + seq, 1 FROM px_new""",
+        """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + po, 1 FROM px_new""",
         # ---- slots, numbered in the order they were made: the events' and requests' ones before the statistics
         # place theirs (which come after them), so that a placed turn carries its slot
         """CREATE TEMP TABLE slots AS SELECT row_number() OVER (ORDER BY stage, ord, conv, turn) AS sid,
@@ -170,7 +171,7 @@ def join_sql(only: str | None) -> list[str]:
         # line is the head, else where the request starts (a view: writing the table cost more than its two readers'
         # joins)
         """CREATE TEMP VIEW px_slot AS
-           SELECT b.sid, p.rid, p.offered, p.seq, p.lookup, p.stored_seq, p.head_age, p.head_ttl,
+           SELECT b.sid, p.rid, p.offered, p.seq, p.po, p.lookup, p.stored_seq, p.stored_po, p.head_age, p.head_ttl,
              coalesce(p.head_seq, p.seq) AS first_ref, p.last_seq,
              CASE WHEN p.head_seq IS NOT NULL THEN p.head_ts ELSE p.first_ts END AS first_ts,
              p.sending, p.miss, p.prefill_ms, p.done, p.failed_why, p.failed_ref,
@@ -243,9 +244,13 @@ def join_sql(only: str | None) -> list[str]:
     ]
 
 
-def _proxy_requests_sql(only_sql: str) -> list[str]:
+def _proxy_requests_sql(only_sql: str, *, merged: bool = False) -> list[str]:
     """``px_req``: one row per proxy request id: the lines correlate's proxy pass folds into it, and what the
-    turn's facts read of them (a line's place ``seq`` is its ref)."""
+    turn's facts read of them (a line's place ``seq`` is its ref; ``po`` its place in time, which orders a
+    conversation's requests: with several proxy logs (``merged``) pl's own, else ``seq``). A request's lines, its
+    lookup and its stored handle are in one log: its replica's."""
+    po = "po" if merged else "seq"
+    same_log = " AND d.seq >> 40 = nc.f" if merged else ""
     failed = "kind IN ('prefill_failed', 'decode_failed')"
     defining = "kind IN ('sending', 'miss', 'no_handle') AND cconv IS NOT NULL"
     # why the proxy withheld D's blocks: said on the history line before the request, else on its miss line
@@ -257,7 +262,7 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
         # lines' ids are joined back after: sorting them with the window cost more.)
         f"""CREATE TEMP TABLE px_def AS SELECT * FROM (
               SELECT p.seq, p.kind, p.cconv, p.rid, p.remote, p.why, w.head_seq FROM (
-                SELECT seq, lag(seq) OVER (PARTITION BY cconv ORDER BY seq) AS head_seq FROM pl
+                SELECT seq, lag(seq) OVER (PARTITION BY cconv{', f' if merged else ''} ORDER BY seq) AS head_seq FROM pl
                 WHERE kind IN ('hit', 'stale', 'miss_head', 'sending', 'miss', 'no_handle') AND cconv IS NOT NULL) w
               JOIN pl p USING (seq))
             WHERE {defining} AND rid IS NOT NULL""",
@@ -265,7 +270,7 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
         # decides its lookup, as correlate overwrites it); the last "cached D blocks" line naming it as its
         # remote request (if after its start, it stored its handle); the defining line's head
         f"""CREATE TEMP TABLE px_req AS
-            WITH r AS (SELECT rid, min(seq) AS seq, max(seq) AS last_seq, arg_min(ts, seq) AS first_ts,
+            WITH r AS (SELECT rid, min(seq) AS seq, min({po}) AS po, max(seq) AS last_seq, arg_min(ts, seq) AS first_ts,
                          max(seq) FILTER (WHERE {defining}) AS def_seq,
                          min(seq) FILTER (WHERE kind = 'sending') AS sending,
                          min(seq) FILTER (WHERE kind IN ('miss', 'no_handle')) AS miss,
@@ -276,8 +281,9 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
                          min(seq) FILTER (WHERE {failed}) AS failed_ref,
                          bool_or(kind = 'no_conversation_id') AS no_conv
                        FROM pl WHERE rid IS NOT NULL AND kind NOT IN ('cached', 'ready') GROUP BY rid),
-            cached AS (SELECT hrid(remote) AS rid, max(seq) AS seq FROM pl WHERE kind = 'cached' GROUP BY 1)
-            SELECT r.rid, d.cconv AS conv, r.seq,
+            cached AS (SELECT hrid(remote) AS rid, max(seq) AS seq, max({po}) AS po FROM pl WHERE kind = 'cached'
+                       GROUP BY 1)
+            SELECT r.rid, d.cconv AS conv, r.seq, r.po,
               CASE WHEN d.kind = 'sending' THEN 'hit'
                    WHEN d.kind IS NOT NULL AND h.kind = 'stale' THEN 'stale'
                    WHEN d.kind IS NOT NULL THEN d.kind
@@ -289,18 +295,18 @@ def _proxy_requests_sql(only_sql: str) -> list[str]:
               r.def_seq,
               CASE WHEN {by_head} THEN 'head' WHEN {by_line} THEN 'line' END AS withheld,
               CASE WHEN {by_head} THEN h.why WHEN {by_line} THEN d.why END AS withheld_why,
-              CASE WHEN c.seq > r.seq THEN c.seq END AS stored_seq,
+              CASE WHEN c.seq > r.seq THEN c.seq END AS stored_seq, CASE WHEN c.seq > r.seq THEN c.po END AS stored_po,
               r.first_ts, r.last_seq, r.sending, r.miss, r.prefill_ms, r.done, r.failed_why, r.failed_ref
             FROM r LEFT JOIN cached c ON c.rid = r.rid LEFT JOIN px_def d ON d.seq = r.def_seq
             LEFT JOIN pl h ON h.seq = d.head_seq AND h.kind IN ('hit', 'stale', 'miss_head')
             WHERE d.cconv IS NULL OR {only_sql.replace('cconv', 'd.cconv')}""",
         # "not caching D blocks": the request it names, else (by_conv) its conversation's latest request before it
-        """CREATE TEMP TABLE px_not_cached AS
+        f"""CREATE TEMP TABLE px_not_cached AS
            WITH nc AS (SELECT * FROM pl WHERE kind = 'not_cached'),
            named AS (SELECT nc.f, nc.n, nc.seq, nc.why, nc.rid, false AS by_conv FROM nc
                      JOIN px_req pf ON pf.rid = nc.rid WHERE nc.seq > pf.seq),
            by_conv AS (SELECT nc.f, nc.n, nc.seq, nc.why, (SELECT arg_max(d.rid, d.seq) FROM px_def d
-                         WHERE d.cconv = nc.cconv AND d.seq < nc.seq) AS rid, true AS by_conv
+                         WHERE d.cconv = nc.cconv AND d.seq < nc.seq{same_log}) AS rid, true AS by_conv
                        FROM nc WHERE nc.rid IS NULL AND nc.cconv IS NOT NULL)
            SELECT rid, arg_max(f, seq) AS f, arg_max(n, seq) AS n, arg_max(why, seq) AS why, max(seq) AS seq,
              arg_max(by_conv, seq) AS by_conv
@@ -318,9 +324,9 @@ def _stats_sql(only: str | None) -> list[str]:
         """CREATE TEMP TABLE placed AS
            WITH s AS (SELECT * FROM slots WHERE conv IN (SELECT conversation_id FROM cs))
            SELECT s.conv, row_number() OVER (PARTITION BY s.conv ORDER BY s.turn,
-             coalesce(CASE WHEN s.stage = 1 THEN (s.ord - 1000000000000)::DOUBLE END, p.seq::DOUBLE, t.ts, 0.0),
+             coalesce(CASE WHEN s.stage = 1 THEN (s.ord - 1000000000000)::DOUBLE END, p.po::DOUBLE, t.ts, 0.0),
              s.stage, s.ord) AS k, s.rid, s.turn, s.sid
-           FROM s LEFT JOIN (SELECT rid, seq FROM px_req WHERE conv IS NOT NULL
+           FROM s LEFT JOIN (SELECT rid, po FROM px_req WHERE conv IS NOT NULL
                              AND rid IN (SELECT rid FROM s WHERE stage = 0)) p ON p.rid = s.rid
            LEFT JOIN (SELECT rid, min(ts) AS ts FROM ev_slot_key WHERE rid IN (SELECT rid FROM s) GROUP BY rid) t
              ON t.rid = s.rid""",

@@ -326,18 +326,19 @@ CS_ROW_COLUMNS: Final = ("f", "n", "text", "conversation_id", "ttft_ms", "latenc
 # The proxy log (engine_proxy) and the patterns' reading, which the vLLM statements share.
 
 
-def parse_proxy_sql(lines: Iterable[str] | None = None, *, all_ascii: bool = False, cr: bool = True) -> list[str]:
+def parse_proxy_sql(lines: Iterable[str] | None = None, *, all_ascii: bool = False, cr: bool = True,
+                    merged: bool = False) -> list[str]:
     """Statements: ``pl`` from lines_proxy (engine_proxy.parse_proxy_sql); ``lines``: every line of lines_proxy,
     when they are few (only the classifiers one of them can match are compiled, in their ASCII forms where every
     line is ASCII). Without ``lines``: ``all_ascii``, every line of lines_proxy is ASCII; ``cr``, a line may end
-    with a carriage return."""
+    with a carriage return. ``merged``: lines_proxy holds several proxy logs."""
     from kvdiag.diagnostics import engine_proxy  # noqa: PLC0415  (it reads this module's helpers)
 
     if lines is None:
-        return engine_proxy.parse_proxy_sql(all_ascii=all_ascii, cr=cr)
+        return engine_proxy.parse_proxy_sql(all_ascii=all_ascii, cr=cr, merged=merged)
     texts = list(lines)
     return engine_proxy.parse_proxy_sql(engine_proxy.kinds_present(texts), all_ascii=all(t.isascii() for t in texts),
-                                        cr=any(t.endswith("\r") for t in texts))
+                                        cr=any(t.endswith("\r") for t in texts), merged=merged)
 
 
 # What Python's \s reads in a str pattern (str.isspace: the ASCII separators \x1c-\x1f and \v too), in RE2's

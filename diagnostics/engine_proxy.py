@@ -114,12 +114,14 @@ def kinds_present(lines: Iterable[str]) -> set[int]:
     return {i for i, literal in enumerate(literals) if any(literal in t for t in texts)}
 
 
-def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool = False, cr: bool = True) -> list[str]:
+def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool = False, cr: bool = True,
+                    merged: bool = False) -> list[str]:
     """Statements: ``pl`` from lines_proxy, kinds and groups as proxy_log.classify_proxy_message gives.
     ``present``: the classifiers that can take a line (kinds_present), when known; the others are left out.
     ``all_ascii``: every line of lines_proxy is ASCII, and the patterns take their ASCII forms (a Unicode class
     costs RE2 ten times as long to compile, which a few lines' run pays for and never gets back). Without ``cr``
-    no line of lines_proxy ends with a carriage return (none is trimmed)."""
+    no line of lines_proxy ends with a carriage return (none is trimmed). ``merged``: lines_proxy holds several proxy
+    logs (a router's replicas), and ``po`` orders their lines by time (MERGED_ORDER); with one log ``seq`` does."""
     classes = [(i, kind, regex) for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS) if present is None or i in present]
     form, forms = (ascii_form if all_ascii else _re2), _one_pass_forms(all_ascii)
     kinds, groups = [], []
@@ -166,10 +168,18 @@ def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool =
                   FROM (SELECT *, CASE lead {ends} END AS q FROM m)),
             c AS (SELECT *, {f"CASE {' '.join(kinds)} END" if kinds else 'NULL::INTEGER'} AS k
                   FROM (SELECT *{''.join(', ' + g for g in groups)} FROM i))
-            SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
-              SELECT f, n, ts, {kind_name} AS kind, {', '.join(fields)} FROM c)""",
+            {MERGED_ORDER[0] if merged else ''}SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq{
+              MERGED_ORDER[1] if merged else ''} FROM (
+              SELECT f, n, ts, {kind_name} AS kind, {', '.join(fields)} FROM c){')' if merged else ''}""",
         "DELETE FROM pl WHERE kind IS NULL",
     ]
+
+
+# Several proxy logs (a router's replicas, each logging the requests it served): a line's place in time is the
+# latest stamp of its log up to it (a log's own order always holds, a clock stepping back included), ties between
+# logs broken by the logs' order. The stamps are whole seconds: within one, the logs' order decides.
+MERGED_ORDER: Final = ("SELECT * EXCLUDE (tmax), row_number() OVER (ORDER BY tmax, f, n) AS po FROM (",
+                       ", max(ts) OVER (PARTITION BY f ORDER BY n ROWS UNBOUNDED PRECEDING) AS tmax")
 
 
 def _optional_groups(regex: re.Pattern[str]) -> set[str]:

@@ -98,6 +98,11 @@ class Run:
     event_columns: frozenset[str] | None = None
 
     @property
+    def merged_proxy_logs(self) -> bool:
+        """Several proxy logs (a router's replicas): their lines are ordered by time, not log after log."""
+        return sum(lf.fmt == "proxy" for lf in self.files) > 1
+
+    @property
     def paths(self) -> dict[int, str]:
         """File index -> path."""
         return {f: lf.path for f, lf in enumerate(self.files)}
@@ -434,13 +439,14 @@ def parse(run: Run) -> None:
     stats = any(lf.fmt == "client_stats" for lf in run.files)
     for q in ep.parse_json_sql(stats=stats):
         execute(run, q)
+    merged = run.merged_proxy_logs
     if run.few_rows:  # (only the proxy classifiers one of the lines can match; RE2 compiles each at every run)
-        proxy_sql = ep.parse_proxy_sql(ln for (ln,) in run.con.execute(
-            "SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall())
+        proxy_sql = ep.parse_proxy_sql((ln for (ln,) in run.con.execute(
+            "SELECT line FROM lines_proxy WHERE line IS NOT NULL").fetchall()), merged=merged)
     else:  # (every line ASCII: RE2 runs the patterns' ASCII forms faster than their Unicode classes)
         proxy_ascii, proxy_cr = run.con.execute(f"SELECT bool_and({ep.ASCII.format('line')}), "
                                                 "bool_or(ends_with(line, chr(13))) FROM lines_proxy").fetchall()[0]
-        proxy_sql = ep.parse_proxy_sql(all_ascii=bool(proxy_ascii), cr=bool(proxy_cr))
+        proxy_sql = ep.parse_proxy_sql(all_ascii=bool(proxy_ascii), cr=bool(proxy_cr), merged=merged)
     fields = ep.event_fields(run.con)
     for q in ep.parse_events_sql(fields, stats=stats):
         execute(run, q)
@@ -468,8 +474,10 @@ def parse(run: Run) -> None:
                                    *jr.append_events(run.con, run.document_events)))
 
 
-VIEWS_SQL: Final = """CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);
-CREATE TEMP VIEW ready AS SELECT f, n, seq FROM pl WHERE kind = 'ready';
+def views_sql(merged: bool) -> str:
+    """The views the facts and rules read; ``merged``: several proxy logs, pl's ``po`` orders their lines."""
+    return f"""CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);
+CREATE TEMP VIEW ready AS SELECT f, n, seq, {'po' if merged else 'seq AS po'} FROM pl WHERE kind = 'ready';
 CREATE TEMP TABLE wtext (ref BIGINT, source VARCHAR, text VARCHAR)"""
 # (each source read once, its facts as aggregates: a scalar subquery per fact bound and scanned the views again)
 CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS
@@ -515,11 +523,11 @@ _PREV: Final = (("sid", "f.sid"), ("turn", "f.turn"), ("stored", "f.px_stored"),
                 ("has_stored", "coalesce(f.px_has_stored, false)"), ("not_stored", "f.px_not_stored"),
                 ("has_not_stored", "coalesce(f.px_has_not_stored, false)"), ("not_stored_why", "f.px_not_stored_why"),
                 ("aborted", "f.aborted"), ("failed_why", "f.failed_why"), ("failed_ref", "f.failed_ref"),
-                ("px_first", "f.px_first"), ("has_px", "f.has_px"), ("stored_seq", "f.stored_seq"),
-                ("px_seq", "f.px_seq"), ("s_input_num_tokens", "f.s_input_num_tokens"),
+                ("px_first", "f.px_first"), ("has_px", "f.has_px"), ("px_po", "f.px_po"),
+                ("stored_po", "f.px_stored_po"), ("s_input_num_tokens", "f.s_input_num_tokens"),
                 ("s_output_num_tokens", "f.s_output_num_tokens"), ("stat_ref", "f.stat_ref"),
                 ("s_start_time_ms", "f.s_start_time_ms"), ("s_latency_ms", "f.s_latency_ms"))
-_ORDER_BY: Final = "PARTITION BY conversation_id ORDER BY turn, coalesce(px_seq, 0), sid"
+_ORDER_BY: Final = "PARTITION BY conversation_id ORDER BY turn, coalesce(px_po, 0), sid"
 
 # Each turn with its conversation's previous turn and the facts the rules derive from several columns.
 TURNS_SQL: Final = f"""CREATE TEMP VIEW tf AS
@@ -542,19 +550,19 @@ f AS (SELECT *, CASE WHEN answered THEN NULL ELSE coalesce(ev_failed_why, vl_fai
 -- the conversation's order, the previous turn's key and whether every earlier request failed and stored no handle
 -- (one narrow window pass), then the previous turn by a join on its key (cheaper than a lag() per column) and the
 -- proxy's restart ('Ready' line) since, all on narrow rows: the turn's wide row is joined once, at the end
-ord AS (SELECT sid, px_last_f, px_seq, has_px, row_number() OVER ({_ORDER_BY}) AS pos,
+ord AS (SELECT sid, px_last_f, px_po, has_px, row_number() OVER ({_ORDER_BY}) AS pos,
     lag(sid) OVER ({_ORDER_BY}) AS prev_key,
     coalesce(bool_and((failed_why IS NOT NULL OR (has_px AND NOT coalesce(px_has_stored, false)
           AND NOT coalesce(px_done, false))) AND NOT coalesce(px_has_stored, false))
       OVER ({_ORDER_BY} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), false) AS earlier_all_failed
   FROM f),
 turn_prev AS (SELECT o1.sid, o1.pos, {", ".join(f"{v} AS prev_{k}" for k, v in _PREV)}, o1.earlier_all_failed,
-    o1.px_last_f AS own_last_f, o1.px_seq AS own_px_seq, o1.has_px AS own_has_px
+    o1.px_last_f AS own_last_f, o1.px_po AS own_px_po, o1.has_px AS own_has_px
   FROM ord o1 LEFT JOIN f ON f.sid = o1.prev_key),
-restart AS (SELECT tp.sid, arg_min((r.f::BIGINT << 40) + r.n, r.seq) AS restart_ref FROM turn_prev tp JOIN ready r
-    ON r.f = tp.own_last_f AND r.seq > coalesce(tp.prev_stored_seq, tp.prev_px_seq) AND r.seq < tp.own_px_seq
+restart AS (SELECT tp.sid, arg_min((r.f::BIGINT << 40) + r.n, r.po) AS restart_ref FROM turn_prev tp JOIN ready r
+    ON r.f = tp.own_last_f AND r.po > coalesce(tp.prev_stored_po, tp.prev_px_po) AND r.po < tp.own_px_po
   WHERE tp.prev_has_px AND tp.own_has_px GROUP BY tp.sid),
-o AS (SELECT f.*, turn_prev.* EXCLUDE (sid, own_last_f, own_px_seq, own_has_px), restart.restart_ref
+o AS (SELECT f.*, turn_prev.* EXCLUDE (sid, own_last_f, own_px_po, own_has_px), restart.restart_ref
   FROM f JOIN turn_prev USING (sid) LEFT JOIN restart USING (sid))
 SELECT o.* EXCLUDE (restart_ref),
   coalesce(c_ttft_ms, s_ttft_ms, e_ttft_ms) AS ttft_ms,
@@ -571,7 +579,7 @@ SELECT o.* EXCLUDE (restart_ref),
   e_reuse_limit_tokens AS reuse_limit_tokens, e_trimmed_tokens AS trimmed_tokens, e_trim_reason AS trim_reason,
   e_wrong_kv_tokens AS wrong_kv_tokens, e_mismatch_tokens AS mismatch_tokens, e_gap_s AS ev_gap_s,
   turn = 1 AND prev_sid IS NULL AND (has_px OR (has_stat AND coalesce(s_input_num_turns, 1) <= 2)) AS is_first,
-  coalesce(prev_has_px AND has_px AND prev_stored_seq IS NOT NULL AND prev_stored_seq > px_seq, false)
+  coalesce(prev_has_px AND has_px AND prev_stored_po IS NOT NULL AND prev_stored_po > px_po, false)
     AS is_concurrent, restart_ref,
   CASE WHEN prev_sid IS NOT NULL AND prev_s_start_time_ms IS NOT NULL AND prev_s_latency_ms IS NOT NULL
        AND s_start_time_ms IS NOT NULL
@@ -611,7 +619,9 @@ _TURN_VIEW: Final = re.compile(r"^CREATE TEMP VIEW (turn_facts|tf) AS\b")
 def decide_statements(run: Run) -> list[str]:
     """The statements that correlate the records and collect the facts (after parse)."""
     kinds = [k for (k,) in run.con.execute("SELECT DISTINCT kind FROM vl WHERE kind IS NOT NULL").fetchall()]
-    return [*join_sql(run.only), *facts_sql(kinds, run.event_columns), VIEWS_SQL, CONTEXT_SQL, TURNS_SQL]
+    merged = run.merged_proxy_logs
+    return [*join_sql(run.only, merged=merged), *facts_sql(kinds, run.event_columns), views_sql(merged), CONTEXT_SQL,
+            TURNS_SQL]
 
 
 def use_few_rows(run: Run) -> None:

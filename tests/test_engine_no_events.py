@@ -73,12 +73,13 @@ def test_a_statement_wrongly_marked_events_only_is_caught(tmp_path: Path, monkey
     want = kvdiag.load_turns(files)
     original = engine_join.join_sql
 
-    def marked(only: str | None) -> list[str]:
-        return [EventsOnly(q) if q.lstrip().startswith("CREATE TEMP TABLE px_new AS") else q for q in original(only)]
+    def marked(only: str | None, *, merged: bool = False) -> list[str]:
+        return [EventsOnly(q) if q.lstrip().startswith("CREATE TEMP TABLE px_new AS") else q
+                for q in original(only, merged=merged)]
 
     monkeypatch.setattr(verdict_engine, "join_sql", marked)
     monkeypatch.setattr(engine_no_events, "EVENT_TABLE_COLUMNS", {**EVENT_TABLE_COLUMNS, "px_new": (
-        ("rid", "VARCHAR"), ("conv", "VARCHAR"), ("turn", "BIGINT"), ("seq", "BIGINT"))})
+        ("rid", "VARCHAR"), ("conv", "VARCHAR"), ("turn", "BIGINT"), ("po", "BIGINT"))})
     got = kvdiag.load_turns(files)
     assert [c.__dict__ for c in got] != [c.__dict__ for c in want]
 
