@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -173,20 +174,25 @@ def _configure_logging(opts: Options) -> None:
 
 async def serve(opts: Options) -> None:
     """Run one engine until SIGTERM/SIGINT (the ready file appears once it listens)."""
+    # (the engine's scratch folder, its process group's rendezvous file in it, goes when the engine stops: each
+    # start left one behind before)
     work = Path(tempfile.mkdtemp(prefix=f"kvdiag-vllm-{opts.role}-"))
-    backend = VllmBackend(opts, work)
-    runner, port = await api.listen(make_app(backend), opts.host, opts.port)
-    if opts.ready_file:
-        write_ready_file(opts.ready_file, {"port": port, "side_channel_port": backend.engine.side_channel_port,
-                                           "engine_id": backend.engine_id})
-    tasks = [asyncio.create_task(backend.run()), asyncio.create_task(backend.log_stats())]
-    await wait_for_stop_signal()
-    backend.close()
-    for task in tasks:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    await runner.cleanup()
+    try:
+        backend = VllmBackend(opts, work)
+        runner, port = await api.listen(make_app(backend), opts.host, opts.port)
+        if opts.ready_file:
+            write_ready_file(opts.ready_file, {"port": port, "side_channel_port": backend.engine.side_channel_port,
+                                               "engine_id": backend.engine_id})
+        tasks = [asyncio.create_task(backend.run()), asyncio.create_task(backend.log_stats())]
+        await wait_for_stop_signal()
+        backend.close()
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await runner.cleanup()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run(opts: Options) -> None:
