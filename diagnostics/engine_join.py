@@ -28,6 +28,7 @@ from typing import Final
 from kvdiag.diagnostics.conversation_ids import HASH_PREFIX_LENGTHS
 from kvdiag.diagnostics.engine_no_events import EventsOnly
 from kvdiag.diagnostics.engine_parse import EVENT_ORDER, EVENT_ORDER_BASE, sql_str
+from kvdiag.diagnostics.engine_proxy import line_order
 
 # vLLM kinds only a prefill (reader) engine logs: they tell a file's role when its name does not.
 PREFILL_KINDS: Final = ("declining_expired", "skip_remote_pull")
@@ -249,7 +250,7 @@ def _proxy_requests_sql(only_sql: str, *, merged: bool = False) -> list[str]:
     turn's facts read of them (a line's place ``seq`` is its ref; ``po`` its place in time, which orders a
     conversation's requests: with several proxy logs (``merged``) pl's own, else ``seq``). A request's lines, its
     lookup and its stored handle are in one log: its replica's."""
-    po = "po" if merged else "seq"
+    po = line_order(merged)
     same_log = " AND d.seq >> 40 = nc.f" if merged else ""
     failed = "kind IN ('prefill_failed', 'decode_failed')"
     defining = "kind IN ('sending', 'miss', 'no_handle') AND cconv IS NOT NULL"

@@ -121,7 +121,7 @@ def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool =
     ``all_ascii``: every line of lines_proxy is ASCII, and the patterns take their ASCII forms (a Unicode class
     costs RE2 ten times as long to compile, which a few lines' run pays for and never gets back). Without ``cr``
     no line of lines_proxy ends with a carriage return (none is trimmed). ``merged``: lines_proxy holds several proxy
-    logs (a router's replicas), and ``po`` orders their lines by time (MERGED_ORDER); with one log ``seq`` does."""
+    logs (a router's replicas), and pl gets ``po``, their lines' place in time (line_order)."""
     classes = [(i, kind, regex) for i, (kind, regex) in enumerate(PROXY_CLASSIFIERS) if present is None or i in present]
     form, forms = (ascii_form if all_ascii else _re2), _one_pass_forms(all_ascii)
     kinds, groups = [], []
@@ -155,8 +155,10 @@ def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool =
     # DuckDB knows a stored column's text is ASCII and then cuts it by byte position, while it scans a computed
     # string (the message, a trimmed line) character by character from its start.
     t = _RTRIM_CR.format("line") if cr else "line"
+    rows = f"""SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
+              SELECT f, n, ts, {kind_name} AS kind, {', '.join(fields)} FROM c)"""
     return [
-        # seq orders the lines: files in reading order, then lines. The kind is computed once, in one
+        # seq is a line's ref (and its order in one log: line_order). The kind is computed once, in one
         # projection with the groups; the lines no classifier takes are deleted after (as a filter, DuckDB
         # would run the patterns twice, and a materialized step copies every line)
         f"""CREATE TEMP TABLE pl AS
@@ -168,18 +170,24 @@ def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool =
                   FROM (SELECT *, CASE lead {ends} END AS q FROM m)),
             c AS (SELECT *, {f"CASE {' '.join(kinds)} END" if kinds else 'NULL::INTEGER'} AS k
                   FROM (SELECT *{''.join(', ' + g for g in groups)} FROM i))
-            {MERGED_ORDER[0] if merged else ''}SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq{
-              MERGED_ORDER[1] if merged else ''} FROM (
-              SELECT f, n, ts, {kind_name} AS kind, {', '.join(fields)} FROM c){')' if merged else ''}""",
+            {_in_time(rows) if merged else rows}""",
         "DELETE FROM pl WHERE kind IS NULL",
     ]
 
 
-# Several proxy logs (a router's replicas, each logging the requests it served): a line's place in time is the
-# latest stamp of its log up to it (a log's own order always holds, a clock stepping back included), ties between
-# logs broken by the logs' order. The stamps are whole seconds: within one, the logs' order decides.
-MERGED_ORDER: Final = ("SELECT * EXCLUDE (tmax), row_number() OVER (ORDER BY tmax, f, n) AS po FROM (",
-                       ", max(ts) OVER (PARTITION BY f ORDER BY n ROWS UNBOUNDED PRECEDING) AS tmax")
+def line_order(merged: bool) -> str:
+    """The column of pl that orders its lines in time: ``po`` with several proxy logs (``merged``), else ``seq``
+    (one log's lines are in time order)."""
+    return "po" if merged else "seq"
+
+
+def _in_time(rows: str) -> str:
+    """``rows`` (pl's lines of several proxy logs: a router's replicas, each logging the requests it served) with
+    ``po``, their place in time: the latest stamp of its log up to the line (a log's own order always holds, a
+    clock stepping back included), ties between logs broken by the logs' order. The stamps are whole seconds:
+    within one, the logs' order decides."""
+    return ("SELECT * EXCLUDE (tmax), row_number() OVER (ORDER BY tmax, f, n) AS po FROM (SELECT *, max(ts) OVER "
+            f"(PARTITION BY f ORDER BY n ROWS UNBOUNDED PRECEDING) AS tmax FROM ({rows}))")
 
 
 def _optional_groups(regex: re.Pattern[str]) -> set[str]:

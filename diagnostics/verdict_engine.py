@@ -32,6 +32,7 @@ from kvdiag.diagnostics.engine_evidence import evidence_texts_sql
 from kvdiag.diagnostics.engine_facts import facts_sql
 from kvdiag.diagnostics.engine_join import BulkOnly, FewRowsOnly, join_sql
 from kvdiag.diagnostics.engine_no_events import EventsOnly, EventsUnion, branch_statements, stand_in
+from kvdiag.diagnostics.engine_proxy import line_order
 from kvdiag.diagnostics.linestats import MAX_LINE_CHARS, LineStats
 from kvdiag.diagnostics.rules import DEFAULT_BLOCK_SIZE, decide_sql, pick_sql
 from kvdiag.diagnostics.scan import (
@@ -477,7 +478,7 @@ def parse(run: Run) -> None:
 def views_sql(merged: bool) -> str:
     """The views the facts and rules read; ``merged``: several proxy logs, pl's ``po`` orders their lines."""
     return f"""CREATE TEMP VIEW vl_r AS SELECT vl.*, fr.role FROM vl JOIN froles fr USING (f);
-CREATE TEMP VIEW ready AS SELECT f, n, seq, {'po' if merged else 'seq AS po'} FROM pl WHERE kind = 'ready';
+CREATE TEMP VIEW ready AS SELECT f, n, seq, {line_order(merged)} AS po FROM pl WHERE kind = 'ready';
 CREATE TEMP TABLE wtext (ref BIGINT, source VARCHAR, text VARCHAR)"""
 # (each source read once, its facts as aggregates: a scalar subquery per fact bound and scanned the views again)
 CONTEXT_SQL: Final = f"""CREATE TEMP TABLE ctx AS
