@@ -156,13 +156,14 @@ def parse_proxy_sql(present: Collection[int] | None = None, *, all_ascii: bool =
     # string (the message, a trimmed line) character by character from its start.
     t = _RTRIM_CR.format("line") if cr else "line"
     rows = f"""SELECT *, conv AS cconv, (f::BIGINT << 40) + n AS seq FROM (
-              SELECT f, n, ts, {kind_name} AS kind, {', '.join(fields)} FROM c)"""
+              SELECT f, n, ts{', stamp' if merged else ''}, {kind_name} AS kind, {', '.join(fields)} FROM c)"""
     return [
         # seq is a line's ref (and its order in one log: line_order). The kind is computed once, in one
         # projection with the groups; the lines no classifier takes are deleted after (as a filter, DuckDB
         # would run the patterns twice, and a materialized step copies every line)
         f"""CREATE TEMP TABLE pl AS
-            WITH m AS (SELECT f, n, t, p, left(t, 19) AS ts, substr(t, p) AS msg, substr(t, p, 1) AS lead
+            WITH m AS (SELECT f, n, t, p, left(t, 19) AS ts{_STAMP if merged else ''}, substr(t, p) AS msg,
+                  substr(t, p, 1) AS lead
                 FROM (SELECT f, n, t, strpos(t, ': ') + 2 AS p
                       FROM (SELECT f, n, {t} AS t FROM lines_proxy WHERE line IS NOT NULL)
                       WHERE regexp_matches(t, {sql_str(form(PROXY_HEAD_RE))}))),
@@ -181,13 +182,20 @@ def line_order(merged: bool) -> str:
     return "po" if merged else "seq"
 
 
+# A line's whole stamp (its fraction of a second too, where the log has one: "%(asctime)s" writes ",123"), as
+# text that sorts in time across logs: "T" or " " between the date and the time alike, "," or "." before the
+# fraction alike. (The fraction's digits sort as a decimal's; a stamp without one sorts before those of its second.)
+_STAMP: Final = (", left(t, 10) || ' ' || substr(t, 12, 8) || replace(substr(t, 20, strpos(t, ' [') - 20), ',', '.') "
+                 "AS stamp")
+
+
 def _in_time(rows: str) -> str:
     """``rows`` (pl's lines of several proxy logs: a router's replicas, each logging the requests it served) with
     ``po``, their place in time: the latest stamp of its log up to the line (a log's own order always holds, a
-    clock stepping back included), ties between logs broken by the logs' order. The stamps are whole seconds:
-    within one, the logs' order decides."""
-    return ("SELECT * EXCLUDE (tmax), row_number() OVER (ORDER BY tmax, f, n) AS po FROM (SELECT *, max(ts) OVER "
-            f"(PARTITION BY f ORDER BY n ROWS UNBOUNDED PRECEDING) AS tmax FROM ({rows}))")
+    clock stepping back included), ties between logs broken by the logs' order. The reference proxy stamps whole
+    seconds: within one, the logs' order decides."""
+    return ("SELECT * EXCLUDE (tmax, stamp), row_number() OVER (ORDER BY tmax, f, n) AS po FROM (SELECT *, "
+            f"max(stamp) OVER (PARTITION BY f ORDER BY n ROWS UNBOUNDED PRECEDING) AS tmax FROM ({rows}))")
 
 
 def _optional_groups(regex: re.Pattern[str]) -> set[str]:

@@ -32,6 +32,25 @@ def _one_second_apart(proxy_log: Path) -> None:
                                  for i, line in enumerate(lines)), encoding="utf-8")
 
 
+def _milliseconds_apart(proxy_log: Path) -> None:
+    """Each line stamped a millisecond after the one before it, as ``%(asctime)s`` writes a stamp (",123"): many
+    lines share a second, and only the fractions tell their order."""
+    lines = proxy_log.read_text(encoding="utf-8").splitlines(keepends=True)
+    t0 = 1_764_400_000_000
+    proxy_log.write_text("".join(time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime((t0 + i) // 1000))
+                                 + f",{(t0 + i) % 1000:03d}" + line[19:] for i, line in enumerate(lines)),
+                         encoding="utf-8")
+
+
+def _iso_stamps(log: Path) -> None:
+    """The stamps written ISO-style ("T" between the date and the time, "." before the fraction), as another
+    replica's logging configuration may write them."""
+    text = log.read_text(encoding="utf-8")
+    iso = re.sub(r"^(\d{4}-\d\d-\d\d) (\d\d:\d\d:\d\d),?",
+                 lambda m: m[1] + "T" + m[2] + "." * m[0].endswith(","), text, flags=re.M)
+    log.write_text(iso, encoding="utf-8")
+
+
 def _split_by_request(proxy_log: Path, out: list[Path], rng: random.Random) -> None:
     """Each request's lines (its lookup line, its own lines, its stored handle) into one replica's log, drawn at
     random; the startup line into every log."""
@@ -65,8 +84,8 @@ def _verdicts(folder: Path) -> dict[tuple[str, int], tuple[str, str | None, floa
             for c in kvdiag.load_turns([str(folder)]) for t in c.turns}
 
 
-@pytest.mark.parametrize("seed", [2, 4])
-def test_turns_spread_over_replicas_logs_are_the_turns_of_one_log(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "iso"), [(2, False), (4, True)])
+def test_turns_spread_over_replicas_logs_are_the_turns_of_one_log(tmp_path: Path, seed: int, iso: bool) -> None:
     one, split = tmp_path / "one", tmp_path / "split"
     load_gen_logs().generate(one, 300_000, seed=seed, noise_per_turn=1)
     for name in _EVENT_FILES:  # (stock: the proxy's lines alone order a conversation's requests)
@@ -74,6 +93,8 @@ def test_turns_spread_over_replicas_logs_are_the_turns_of_one_log(tmp_path: Path
     _one_second_apart(one / "proxy.log")
     shutil.copytree(one, split)
     _split_by_request(split / "proxy.log", [split / "proxy-a.log", split / "proxy-b.log"], random.Random(seed))
+    if iso:  # (a replica writing its stamps another way)
+        _iso_stamps(split / "proxy-b.log")
     want = _verdicts(one)
     assert len(want) > 40
     assert _verdicts(split) == want
@@ -95,3 +116,22 @@ def test_lines_of_one_second_keep_each_logs_order(tmp_path: Path) -> None:
     renamed = tmp_path / "replica-0.log"
     (tmp_path / "proxy.log").rename(renamed)
     assert _verdicts(tmp_path) == before
+
+
+def test_fractions_of_a_second_order_the_replicas_lines(tmp_path: Path) -> None:
+    # the stamps' fractions order the lines of one second across the logs, whichever way each log writes them
+    one, split = tmp_path / "one", tmp_path / "split"
+    load_gen_logs().generate(one, 300_000, seed=5, noise_per_turn=1)
+    for name in _EVENT_FILES:
+        (one / name).unlink()
+    _milliseconds_apart(one / "proxy.log")
+    shutil.copytree(one, split)
+    logs = [split / "proxy-a.log", split / "proxy-b.log"]
+    _split_by_request(split / "proxy.log", logs, random.Random(5))
+    _iso_stamps(logs[1])
+    want = _verdicts(one)
+    assert len(want) > 40
+    assert _verdicts(split) == want
+    for conv in kvdiag.load_turns([str(split)])[:4]:
+        alone = kvdiag.explain_conversation([str(split)], conv.conversation_id)
+        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
