@@ -74,6 +74,7 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
     ``merged``: several proxy logs, their lines ordered by ``po``)."""
     only_sql = "true" if only is None else f"cconv = {sql_str(only)}"
     lengths = " UNION ALL ".join(f"SELECT {n} AS len" for n in HASH_PREFIX_LENGTHS)
+    request_order, request_order_by = ("gpo, inner_key", "gpo, inner_key") if merged else ("po AS gpo", "po")
     return [
         *MACROS,
         # roles: a vLLM file's name, else P's own lines
@@ -138,11 +139,12 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
              (SELECT rid FROM slot_src WHERE rid IS NOT NULL)"""),
         # ---- 2. the proxy's requests
         *_proxy_requests_sql(only_sql, merged=merged),
+        *([_REPLICAS_ORDER_SQL] if merged else []),
         # the k-th request of a conversation no event names is turn k, unless an event holds that number (only
         # those that clash are numbered after the last turn)
-        """CREATE TEMP TABLE px_new AS
-           WITH q AS (SELECT rid, conv, po, row_number() OVER (PARTITION BY conv ORDER BY po) AS k FROM px_req
-                      WHERE conv IS NOT NULL),
+        f"""CREATE TEMP TABLE px_new AS
+           WITH q AS (SELECT rid, conv, po, {request_order}, row_number() OVER (PARTITION BY conv ORDER BY
+                        {request_order_by}) AS k FROM {"px_order" if merged else "px_req WHERE conv IS NOT NULL"}),
            taken AS (SELECT conv, turn FROM slot_src WHERE rid IS NOT NULL),
            pick AS (SELECT q.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = q.conv AND t.turn = q.k) AS clash FROM q
                     WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL))
@@ -150,7 +152,7 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
            UNION ALL SELECT rid, conv, po,
                greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = c.conv), 0),
                         coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = c.conv AND NOT p2.clash), 0))
-               + row_number() OVER (PARTITION BY conv ORDER BY po)
+               + row_number() OVER (PARTITION BY conv ORDER BY {request_order_by})
            FROM pick c WHERE clash""",
         """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + po, 1 FROM px_new""",
         # ---- slots, numbered in the order they were made: the events' and requests' ones before the statistics
@@ -245,6 +247,29 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
     ]
 
 
+# Several proxy logs (a router's replicas) order a conversation's requests by the lines' stamps, which the reference
+# proxy writes in whole seconds: the requests of one conversation whose first lines share a stamp are ordered as P's
+# log has them, where P logged each one's arrival ("Received request", vLLM's request log) in one file and that
+# order holds in each proxy log too. Otherwise the merged lines' order stands. (gpo: the earliest place among the
+# requests of that stamp; inner_key: the place within.)
+_REPLICAS_ORDER_SQL: Final = """CREATE TEMP TABLE px_order AS
+    WITH q AS (SELECT rid, conv, po, seq >> 40 AS log, stamp FROM px_req WHERE conv IS NOT NULL),
+    -- (only a stamp that requests of one conversation share across logs needs more than the lines' order)
+    multi AS (SELECT conv, stamp FROM q GROUP BY conv, stamp HAVING min(log) < max(log)),
+    t AS (SELECT q.* FROM q SEMI JOIN multi ON multi.conv = q.conv AND multi.stamp = q.stamp),
+    recv AS (SELECT hrid(v.request_id) AS rid, min((v.f::BIGINT << 40) + v.n) AS ppos FROM vl v
+             JOIN froles fr USING (f)
+             WHERE fr.role = 'prefill' AND v.kind = 'received_request' AND v.request_id IS NOT NULL GROUP BY 1),
+    g AS (SELECT t.*, r.ppos, min(t.po) OVER (PARTITION BY t.conv, t.stamp) AS gpo,
+            lag(r.ppos) OVER (PARTITION BY t.conv, t.stamp, t.log ORDER BY t.po) AS log_prev
+          FROM t LEFT JOIN recv r ON r.rid = t.rid),
+    h AS (SELECT *, bool_and(ppos IS NOT NULL AND (log_prev IS NULL OR log_prev < ppos)) OVER w
+            AND min(ppos >> 40) OVER w = max(ppos >> 40) OVER w AS by_p
+          FROM g WINDOW w AS (PARTITION BY conv, stamp))
+    SELECT rid, conv, po, gpo, CASE WHEN by_p THEN ppos ELSE po END AS inner_key FROM h
+    UNION ALL SELECT rid, conv, po, po, po FROM q ANTI JOIN multi ON multi.conv = q.conv AND multi.stamp = q.stamp"""
+
+
 def _proxy_requests_sql(only_sql: str, *, merged: bool = False) -> list[str]:
     """``px_req``: one row per proxy request id: the lines correlate's proxy pass folds into it, and what the
     turn's facts read of them (a line's place ``seq`` is its ref; ``po`` its place in time, which orders a
@@ -257,6 +282,9 @@ def _proxy_requests_sql(only_sql: str, *, merged: bool = False) -> list[str]:
     # why the proxy withheld D's blocks: said on the history line before the request, else on its miss line
     by_head = "d.kind IN ('miss', 'no_handle') AND h.kind = 'miss_head' AND h.why IS NOT NULL"
     by_line = "d.kind = 'miss' AND d.why IS NOT NULL"
+    # (merged: the stamp of the request's first line, its head's where it has one, which px_order reads)
+    first_stamp = "arg_min(stamp, seq) AS first_stamp, " if merged else ""
+    stamp = ", CASE WHEN h.kind IS NOT NULL THEN h.stamp ELSE r.first_stamp END AS stamp" if merged else ""
     return [
         # a request's defining line (sending / miss / no_handle) takes the HIT, stale or history line logged
         # just before it for its conversation (head_seq). (The window sorts the lines' places alone; the defining
@@ -272,7 +300,7 @@ def _proxy_requests_sql(only_sql: str, *, merged: bool = False) -> list[str]:
         # remote request (if after its start, it stored its handle); the defining line's head
         f"""CREATE TEMP TABLE px_req AS
             WITH r AS (SELECT rid, min(seq) AS seq, min({po}) AS po, max(seq) AS last_seq, arg_min(ts, seq) AS first_ts,
-                         max(seq) FILTER (WHERE {defining}) AS def_seq,
+                         {first_stamp}max(seq) FILTER (WHERE {defining}) AS def_seq,
                          min(seq) FILTER (WHERE kind = 'sending') AS sending,
                          min(seq) FILTER (WHERE kind IN ('miss', 'no_handle')) AS miss,
                          arg_min(TRY_CAST(ms AS DOUBLE), seq) FILTER (WHERE kind = 'prefill_done') AS prefill_ms,
@@ -297,7 +325,7 @@ def _proxy_requests_sql(only_sql: str, *, merged: bool = False) -> list[str]:
               CASE WHEN {by_head} THEN 'head' WHEN {by_line} THEN 'line' END AS withheld,
               CASE WHEN {by_head} THEN h.why WHEN {by_line} THEN d.why END AS withheld_why,
               CASE WHEN c.seq > r.seq THEN c.seq END AS stored_seq, CASE WHEN c.seq > r.seq THEN c.po END AS stored_po,
-              r.first_ts, r.last_seq, r.sending, r.miss, r.prefill_ms, r.done, r.failed_why, r.failed_ref
+              r.first_ts, r.last_seq, r.sending, r.miss, r.prefill_ms, r.done, r.failed_why, r.failed_ref{stamp}
             FROM r LEFT JOIN cached c ON c.rid = r.rid LEFT JOIN px_def d ON d.seq = r.def_seq
             LEFT JOIN pl h ON h.seq = d.head_seq AND h.kind IN ('hit', 'stale', 'miss_head')
             WHERE d.cconv IS NULL OR {only_sql.replace('cconv', 'd.cconv')}""",

@@ -652,8 +652,8 @@ def decide(run: Run) -> None:
 
 
 # the tables the correlation builds for itself: nothing after it reads them
-_JOINS_ONLY: Final = ("px_def", "px_new", "slot_src", "placed", "cs_pick", "cs_new", "vl_slot", "offered", "known_ids",
-                      "tag_map", "tev", "ev_slot_key", "lone", "lone_taken", "ev_rid_only", "eng_new")
+_JOINS_ONLY: Final = ("px_def", "px_order", "px_new", "slot_src", "placed", "cs_pick", "cs_new", "vl_slot", "offered",
+                      "known_ids", "tag_map", "tev", "ev_slot_key", "lone", "lone_taken", "ev_rid_only", "eng_new")
 
 
 def _decide_with_windows(run: Run) -> None:

@@ -12,6 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
+import duckdb
 import pytest
 from gen_logs_support import load_gen_logs
 
@@ -135,3 +136,65 @@ def test_fractions_of_a_second_order_the_replicas_lines(tmp_path: Path) -> None:
     for conv in kvdiag.load_turns([str(split)])[:4]:
         alone = kvdiag.explain_conversation([str(split)], conv.conversation_id)
         assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
+
+
+def test_within_a_second_ps_log_orders_the_replicas_requests(tmp_path: Path) -> None:
+    # the generated run packs about ten requests into each whole second, spread over two replicas: P's request log
+    # ("Received request", one file) tells their order, as one proxy log would
+    one, split = tmp_path / "one", tmp_path / "split"
+    load_gen_logs().generate(one, 300_000, seed=2, noise_per_turn=1)
+    for name in _EVENT_FILES:
+        (one / name).unlink()
+    shutil.copytree(one, split)
+    _split_by_request(split / "proxy.log", [split / "proxy-a.log", split / "proxy-b.log"], random.Random(2))
+    want = _verdicts(one)
+    assert len(want) > 40
+    assert _verdicts(split) == want
+    for conv in kvdiag.load_turns([str(split)])[:6]:
+        alone = kvdiag.explain_conversation([str(split)], conv.conversation_id)
+        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
+    # without P's request log nothing tells the order within a second: the logs' order stands, and turns move
+    # (the control: the split above does put requests of one conversation and second on both replicas)
+    prefill = split / "prefill.log"
+    prefill.write_text("".join(line for line in prefill.read_text(encoding="utf-8").splitlines(keepends=True)
+                               if "Received request" not in line), encoding="utf-8")
+    assert _verdicts(split) != want
+
+
+def _request_order(requests: list[tuple[str, str, int, int, str]], received: list[tuple[int, int, str]]
+                   ) -> dict[str, list[str]]:
+    """Each conversation's requests in the order the replicas' statement gives them. ``requests``: (rid, conv,
+    proxy log, po, stamp); ``received``: P's "Received request" lines (file, line, rid), file 0 and 1 being P's."""
+    from kvdiag.diagnostics import engine_join
+
+    con = duckdb.connect()
+    for q in engine_join.MACROS:
+        if not isinstance(q, engine_join.FewRowsOnly):
+            con.execute(q)
+    con.execute("CREATE TABLE px_req (rid VARCHAR, conv VARCHAR, po BIGINT, seq BIGINT, stamp VARCHAR)")
+    con.executemany("INSERT INTO px_req VALUES (?, ?, ?, ?, ?)",
+                    [(rid, conv, po, (log << 40) + po, stamp) for rid, conv, log, po, stamp in requests])
+    con.execute("CREATE TABLE froles AS SELECT * FROM (VALUES (0, 'prefill'), (1, 'prefill')) v(f, role)")
+    con.execute("CREATE TABLE vl (f INTEGER, n BIGINT, kind VARCHAR, request_id VARCHAR)")
+    con.executemany("INSERT INTO vl VALUES (?, ?, 'received_request', ?)",
+                    [(f, n, f"chatcmpl-{rid}") for f, n, rid in received])
+    con.execute(engine_join._REPLICAS_ORDER_SQL)
+    order: dict[str, list[str]] = {}
+    for rid, conv in con.execute("SELECT rid, conv FROM px_order ORDER BY conv, gpo, inner_key").fetchall():
+        order.setdefault(conv, []).append(rid)
+    return order
+
+
+def test_ps_order_only_where_it_is_whole_and_agrees_with_every_log() -> None:
+    s = "2025-11-29 07:06:40"
+    order = _request_order(
+        [("a1", "a", 0, 1, s), ("a2", "a", 1, 2, s),  # P received a2 first: P's order
+         ("b1", "b", 0, 3, s), ("b2", "b", 0, 4, s), ("b3", "b", 1, 5, s),  # P's order breaks log 0's: the lines'
+         ("c1", "c", 0, 6, s), ("c2", "c", 1, 7, s),  # c1 unseen by P: the lines' order
+         ("d1", "d", 0, 8, s), ("d2", "d", 1, 9, s),  # two P logs: the lines' order
+         ("e1", "e", 0, 10, s), ("e2", "e", 0, 11, s),  # one proxy log: its order, whatever P says
+         ("f1", "f", 0, 12, s), ("f2", "f", 1, 13, "2025-11-29 07:06:41")],  # two stamps: the stamps' order
+        [(0, 20, "a1"), (0, 10, "a2"), (0, 30, "b1"), (0, 25, "b2"), (0, 28, "b3"), (0, 40, "c2"),
+         (0, 50, "d2"), (1, 5, "d1"), (0, 61, "e2"), (0, 62, "e1"), (0, 71, "f2"), (0, 72, "f1")])
+    assert order == {"a": ["a2", "a1"], "b": ["b1", "b2", "b3"], "c": ["c1", "c2"], "d": ["d1", "d2"],
+                     "e": ["e1", "e2"], "f": ["f1", "f2"]}
