@@ -161,23 +161,27 @@ def test_within_a_second_ps_log_orders_the_replicas_requests(tmp_path: Path) -> 
     assert _verdicts(split) != want
 
 
-def _request_order(requests: list[tuple[str, str, int, int, str]], received: list[tuple[int, int, str]]
-                   ) -> dict[str, list[str]]:
+def _request_order(requests: list[tuple[str, str, int, int, str]], received: list[tuple[int, int, str]],
+                   offered: dict[str, str] | None = None) -> dict[str, list[str]]:
     """Each conversation's requests in the order the replicas' statement gives them. ``requests``: (rid, conv,
-    proxy log, po, stamp); ``received``: P's "Received request" lines (file, line, rid), file 0 and 1 being P's."""
+    proxy log, po, stamp); ``received``: P's "Received request" lines (file, line, rid), file 0 and 1 being P's;
+    ``offered``: the request whose handle a request was offered, by request."""
     from kvdiag.diagnostics import engine_join
 
     con = duckdb.connect()
     for q in engine_join.MACROS:
         if not isinstance(q, engine_join.FewRowsOnly):
             con.execute(q)
-    con.execute("CREATE TABLE px_req (rid VARCHAR, conv VARCHAR, po BIGINT, seq BIGINT, stamp VARCHAR)")
-    con.executemany("INSERT INTO px_req VALUES (?, ?, ?, ?, ?)",
-                    [(rid, conv, po, (log << 40) + po, stamp) for rid, conv, log, po, stamp in requests])
+    con.execute("CREATE TABLE px_req (rid VARCHAR, conv VARCHAR, po BIGINT, seq BIGINT, stamp VARCHAR, "
+                "offered VARCHAR)")
+    handle = {rid: f"chatcmpl-{prev}-0a1b2c3d" for rid, prev in (offered or {}).items()}
+    con.executemany("INSERT INTO px_req VALUES (?, ?, ?, ?, ?, ?)",
+                    [(rid, conv, po, (log << 40) + po, stamp, handle.get(rid))
+                     for rid, conv, log, po, stamp in requests])
     con.execute("CREATE TABLE froles AS SELECT * FROM (VALUES (0, 'prefill'), (1, 'prefill')) v(f, role)")
     con.execute("CREATE TABLE vl (f INTEGER, n BIGINT, kind VARCHAR, request_id VARCHAR)")
-    con.executemany("INSERT INTO vl VALUES (?, ?, 'received_request', ?)",
-                    [(f, n, f"chatcmpl-{rid}") for f, n, rid in received])
+    for f, n, rid in received:
+        con.execute("INSERT INTO vl VALUES (?, ?, 'received_request', ?)", (f, n, f"chatcmpl-{rid}"))
     con.execute(engine_join._REPLICAS_ORDER_SQL)
     order: dict[str, list[str]] = {}
     for rid, conv in con.execute("SELECT rid, conv FROM px_order ORDER BY conv, gpo, inner_key").fetchall():
@@ -198,3 +202,21 @@ def test_ps_order_only_where_it_is_whole_and_agrees_with_every_log() -> None:
          (0, 50, "d2"), (1, 5, "d1"), (0, 61, "e2"), (0, 62, "e1"), (0, 71, "f2"), (0, 72, "f1")])
     assert order == {"a": ["a2", "a1"], "b": ["b1", "b2", "b3"], "c": ["c1", "c2"], "d": ["d1", "d2"],
                      "e": ["e1", "e2"], "f": ["f1", "f2"]}
+
+
+def test_without_ps_log_a_hit_comes_after_the_request_whose_handle_it_read() -> None:
+    s, t = "2025-11-29 07:06:40", "2025-11-29 07:06:41"
+    order = _request_order(
+        [("a2", "a", 0, 1, s), ("a1", "a", 1, 2, s),  # a2 read a1's handle
+         ("b2", "b", 0, 3, s), ("b3", "b", 0, 4, s), ("b1", "b", 1, 5, s),  # b3 read b2's, b2 read b1's
+         ("c2", "c", 0, 6, s), ("c1", "c", 1, 7, s),  # c2 read a handle of an earlier second: the lines' order
+         # d2 read d1's handle, but d9 comes after d2 in log 0 and nothing puts d9 after d1: the lines' order
+         ("d2", "d", 0, 8, s), ("d9", "d", 0, 9, s), ("d1", "d", 1, 10, s),
+         ("e1", "e", 0, 11, s), ("e2", "e", 1, 12, s), ("e0", "e", 1, 13, s),  # e1 and e2 each other's: no chain
+         ("g1", "g", 0, 14, s), ("g3", "g", 0, 15, s), ("g2", "g", 1, 16, s),  # g3 read g2's, g2 read g1's
+         # h4 read h1's handle, a second before: within its own second nothing orders it
+         ("h1", "h", 0, 17, s), ("h2", "h", 1, 18, s), ("h4", "h", 1, 19, t), ("h3", "h", 0, 20, t)],
+        [], {"a2": "a1", "b3": "b2", "b2": "b1", "c2": "c0", "d2": "d1", "e1": "e2", "e2": "e1", "g3": "g2",
+             "g2": "g1", "h4": "h1"})
+    assert order == {"a": ["a1", "a2"], "b": ["b1", "b2", "b3"], "c": ["c2", "c1"], "d": ["d2", "d9", "d1"],
+                     "e": ["e1", "e2", "e0"], "g": ["g1", "g2", "g3"], "h": ["h1", "h2", "h4", "h3"]}
