@@ -122,7 +122,8 @@ def span_patterns(spans: list[tuple[float, float]], p_spans: list[tuple[float, f
     lines stamped in a span, and P's lines stamped in a span of ``p_spans`` (the same spans on P's clock; default
     ``spans``) that hold a kind the ledger reads (found together by the search, so the rest, most of a busy
     engine's lines, never reach Python; _SPAN_KEEP still decides)."""
-    proxy = "^(" + "|".join(_ere(p) for p in _prefixes(spans, "%Y-%m-%d %H:%M:%S")) + ")"
+    # (the proxy's stamp may have "T" between the date and the time, as an ISO-minded logging setup writes it)
+    proxy = "^(" + "|".join(_ere(p[:10]) + "[ T]" + _ere(p[11:]) for p in _prefixes(spans, "%Y-%m-%d %H:%M:%S")) + ")"
     ansi = "(\x1b\\[[0-9;]*m)*"
     p_spans = spans if p_spans is None else p_spans
     stamped = f" {ansi}(DEBUG|INFO|WARNING|ERROR|CRITICAL){ansi} +{ansi}(" + "|".join(

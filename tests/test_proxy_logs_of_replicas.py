@@ -220,3 +220,20 @@ def test_without_ps_log_a_hit_comes_after_the_request_whose_handle_it_read() -> 
              "g2": "g1", "h4": "h1"})
     assert order == {"a": ["a1", "a2"], "b": ["b1", "b2", "b3"], "c": ["c2", "c1"], "d": ["d2", "d9", "d1"],
                      "e": ["e1", "e2", "e0"], "g": ["g1", "g2", "g3"], "h": ["h1", "h2", "h4", "h3"]}
+
+
+def test_one_conversation_reads_the_windows_of_an_iso_stamped_replica(tmp_path: Path) -> None:
+    # one conversation's explain reads the proxy lines of the minutes around its reads, which P's stats windows
+    # share with other conversations' reads: those of a replica writing "T" in its stamps count too
+    load_gen_logs().generate(tmp_path, 600_000, seed=1, noise_per_turn=1, stat_interval=10.0)
+    for name in _EVENT_FILES:
+        (tmp_path / name).unlink()
+    logs = [tmp_path / "proxy-a.log", tmp_path / "proxy-b.log", tmp_path / "proxy-c.log"]
+    _split_by_request(tmp_path / "proxy.log", logs, random.Random(1))
+    _iso_stamps(logs[1])
+    convs = kvdiag.load_turns([str(tmp_path)])
+    windowed = [c for c in convs if any("stats window" in (t.reason or "") for t in c.turns)]
+    assert len(windowed) >= 3
+    for conv in windowed[:8]:
+        alone = kvdiag.explain_conversation([str(tmp_path)], conv.conversation_id)
+        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
