@@ -257,27 +257,28 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
 # (gpo: the earliest place among the requests of that stamp; inner_key: the place within.)
 _REPLICAS_ORDER_SQL: Final = """CREATE TEMP TABLE px_order AS
     WITH RECURSIVE q AS (SELECT rid, conv, po, seq >> 40 AS log, stamp, offered FROM px_req WHERE conv IS NOT NULL),
-    -- (only a stamp that requests of one conversation share across logs needs more than the lines' order)
-    multi AS (SELECT conv, stamp FROM q GROUP BY conv, stamp HAVING min(log) < max(log)),
-    t AS (SELECT q.* FROM q SEMI JOIN multi ON multi.conv = q.conv AND multi.stamp = q.stamp),
+    -- (only a stamp that requests of one conversation share across logs needs more than the lines' order; the
+    -- stamps numbered, so that the windows below partition by a number, not by two strings)
+    multi AS (SELECT conv, stamp, row_number() OVER () AS gid FROM q GROUP BY conv, stamp HAVING min(log) < max(log)),
+    t AS (SELECT q.*, multi.gid FROM q JOIN multi ON multi.conv = q.conv AND multi.stamp = q.stamp),
     recv AS (SELECT hrid(v.request_id) AS rid, min((v.f::BIGINT << 40) + v.n) AS ppos FROM vl v
              JOIN froles fr USING (f)
              WHERE fr.role = 'prefill' AND v.kind IN ('received_request', 'added_request') AND v.request_id IS NOT NULL
              GROUP BY 1),
     -- the request of the same stamp whose handle a request was offered, and the chains those links make
-    link AS (SELECT t.rid, p.rid AS prev FROM t JOIN t p ON p.conv = t.conv AND p.stamp = t.stamp
+    link AS (SELECT t.rid, p.rid AS prev FROM t JOIN t p ON p.gid = t.gid
              AND p.rid = hrid(t.offered) AND p.rid <> t.rid),
     depth AS (SELECT rid, 0 AS d FROM t WHERE rid NOT IN (SELECT rid FROM link)
               UNION ALL SELECT l.rid, depth.d + 1 FROM link l JOIN depth ON l.prev = depth.rid
               WHERE depth.d < 1000),
-    g AS (SELECT t.*, r.ppos, (d.d::BIGINT << 40) + t.po AS ckey, min(t.po) OVER (PARTITION BY t.conv, t.stamp) AS gpo
+    g AS (SELECT t.*, r.ppos, (d.d::BIGINT << 40) + t.po AS ckey, min(t.po) OVER (PARTITION BY t.gid) AS gpo
           FROM t LEFT JOIN recv r ON r.rid = t.rid LEFT JOIN depth d ON d.rid = t.rid),
     gl AS (SELECT *, lag(ppos) OVER lw AS log_prev, lag(ckey) OVER lw AS log_prev_c FROM g
-           WINDOW lw AS (PARTITION BY conv, stamp, log ORDER BY po)),
+           WINDOW lw AS (PARTITION BY gid, log ORDER BY po)),
     h AS (SELECT *, bool_and(ppos IS NOT NULL AND (log_prev IS NULL OR log_prev < ppos)) OVER w
             AND min(ppos >> 40) OVER w = max(ppos >> 40) OVER w AS by_p,
             bool_and(ckey IS NOT NULL AND (log_prev_c IS NULL OR log_prev_c < ckey)) OVER w AS by_chain
-          FROM gl WINDOW w AS (PARTITION BY conv, stamp))
+          FROM gl WINDOW w AS (PARTITION BY gid))
     SELECT rid, conv, po, gpo, CASE WHEN by_p THEN ppos WHEN by_chain THEN ckey ELSE po END AS inner_key FROM h
     UNION ALL SELECT rid, conv, po, po, po FROM q ANTI JOIN multi ON multi.conv = q.conv AND multi.stamp = q.stamp"""
 
