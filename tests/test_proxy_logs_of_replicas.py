@@ -17,6 +17,7 @@ import pytest
 from gen_logs_support import load_gen_logs
 
 import kvdiag
+from kvdiag.diagnostics.records import ConversationRecord
 
 _EVENT_FILES = ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl")
 _RID = re.compile(r": \[([0-9a-f]+)\] (?:conv=(.*?): )?")
@@ -85,34 +86,48 @@ def _verdicts(folder: Path) -> dict[tuple[str, int], tuple[str, str | None, floa
             for c in kvdiag.load_turns([str(folder)]) for t in c.turns}
 
 
+def _stock_set(folder: Path, size: int, seed: int, **options: float) -> None:
+    """A generated run's stock logs alone (the proxy's lines alone order a conversation's requests)."""
+    load_gen_logs().generate(folder, size, seed=seed, noise_per_turn=1, **options)
+    for name in _EVENT_FILES:
+        (folder / name).unlink()
+
+
+def _assert_one_conversation_as_all(folder: Path, conversations: list[ConversationRecord]) -> None:
+    for conv in conversations:
+        alone = kvdiag.explain_conversation([str(folder)], conv.conversation_id)
+        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
+
+
+def _assert_split_reads_as_one(one: Path, split: Path, conversations: int) -> dict[
+        tuple[str, int], tuple[str, str | None, float | None]]:
+    """The split set gives the one-log set's verdicts, and its first conversations one at a time as ``--all``."""
+    want = _verdicts(one)
+    assert len(want) > 40
+    assert _verdicts(split) == want
+    _assert_one_conversation_as_all(split, kvdiag.load_turns([str(split)])[:conversations])
+    return want
+
+
 @pytest.mark.parametrize(("seed", "iso"), [(2, False), (4, True)])
 def test_turns_spread_over_replicas_logs_are_the_turns_of_one_log(tmp_path: Path, seed: int, iso: bool) -> None:
     one, split = tmp_path / "one", tmp_path / "split"
-    load_gen_logs().generate(one, 300_000, seed=seed, noise_per_turn=1)
-    for name in _EVENT_FILES:  # (stock: the proxy's lines alone order a conversation's requests)
-        (one / name).unlink()
+    _stock_set(one, 300_000, seed)
     _one_second_apart(one / "proxy.log")
     shutil.copytree(one, split)
     _split_by_request(split / "proxy.log", [split / "proxy-a.log", split / "proxy-b.log"], random.Random(seed))
     if iso:  # (a replica writing its stamps another way)
         _iso_stamps(split / "proxy-b.log")
-    want = _verdicts(one)
-    assert len(want) > 40
-    assert _verdicts(split) == want
+    want = _assert_split_reads_as_one(one, split, 4)
     table = kvdiag.load_turn_table([str(split)])
     assert sorted(zip(table["conversation_id"], table["turn"], table["verdict"], strict=True)) == sorted(
         (c, t, v[0]) for (c, t), v in want.items())
-    for conv in kvdiag.load_turns([str(split)])[:4]:
-        alone = kvdiag.explain_conversation([str(split)], conv.conversation_id)
-        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
 
 
 def test_lines_of_one_second_keep_each_logs_order(tmp_path: Path) -> None:
     # the generated run packs its requests into a few seconds: within a second, each log's own order holds, and
     # a single log reads as it did
-    load_gen_logs().generate(tmp_path, 300_000, seed=3, noise_per_turn=1)
-    for name in _EVENT_FILES:
-        (tmp_path / name).unlink()
+    _stock_set(tmp_path, 300_000, 3)
     before = _verdicts(tmp_path)
     renamed = tmp_path / "replica-0.log"
     (tmp_path / "proxy.log").rename(renamed)
@@ -122,37 +137,23 @@ def test_lines_of_one_second_keep_each_logs_order(tmp_path: Path) -> None:
 def test_fractions_of_a_second_order_the_replicas_lines(tmp_path: Path) -> None:
     # the stamps' fractions order the lines of one second across the logs, whichever way each log writes them
     one, split = tmp_path / "one", tmp_path / "split"
-    load_gen_logs().generate(one, 300_000, seed=5, noise_per_turn=1)
-    for name in _EVENT_FILES:
-        (one / name).unlink()
+    _stock_set(one, 300_000, 5)
     _milliseconds_apart(one / "proxy.log")
     shutil.copytree(one, split)
     logs = [split / "proxy-a.log", split / "proxy-b.log"]
     _split_by_request(split / "proxy.log", logs, random.Random(5))
     _iso_stamps(logs[1])
-    want = _verdicts(one)
-    assert len(want) > 40
-    assert _verdicts(split) == want
-    for conv in kvdiag.load_turns([str(split)])[:4]:
-        alone = kvdiag.explain_conversation([str(split)], conv.conversation_id)
-        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
+    _assert_split_reads_as_one(one, split, 4)
 
 
 def test_within_a_second_ps_log_orders_the_replicas_requests(tmp_path: Path) -> None:
     # the generated run packs about ten requests into each whole second, spread over two replicas: P's request log
     # ("Received request", one file) tells their order, as one proxy log would
     one, split = tmp_path / "one", tmp_path / "split"
-    load_gen_logs().generate(one, 300_000, seed=2, noise_per_turn=1)
-    for name in _EVENT_FILES:
-        (one / name).unlink()
+    _stock_set(one, 300_000, 2)
     shutil.copytree(one, split)
     _split_by_request(split / "proxy.log", [split / "proxy-a.log", split / "proxy-b.log"], random.Random(2))
-    want = _verdicts(one)
-    assert len(want) > 40
-    assert _verdicts(split) == want
-    for conv in kvdiag.load_turns([str(split)])[:6]:
-        alone = kvdiag.explain_conversation([str(split)], conv.conversation_id)
-        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
+    want = _assert_split_reads_as_one(one, split, 6)
     # without P's request log nothing tells the order within a second: the logs' order stands, and turns move
     # (the control: the split above does put requests of one conversation and second on both replicas)
     prefill = split / "prefill.log"
@@ -225,15 +226,11 @@ def test_without_ps_log_a_hit_comes_after_the_request_whose_handle_it_read() -> 
 def test_one_conversation_reads_the_windows_of_an_iso_stamped_replica(tmp_path: Path) -> None:
     # one conversation's explain reads the proxy lines of the minutes around its reads, which P's stats windows
     # share with other conversations' reads: those of a replica writing "T" in its stamps count too
-    load_gen_logs().generate(tmp_path, 600_000, seed=1, noise_per_turn=1, stat_interval=10.0)
-    for name in _EVENT_FILES:
-        (tmp_path / name).unlink()
+    _stock_set(tmp_path, 600_000, 1, stat_interval=10.0)
     logs = [tmp_path / "proxy-a.log", tmp_path / "proxy-b.log", tmp_path / "proxy-c.log"]
     _split_by_request(tmp_path / "proxy.log", logs, random.Random(1))
     _iso_stamps(logs[1])
     convs = kvdiag.load_turns([str(tmp_path)])
     windowed = [c for c in convs if any("stats window" in (t.reason or "") for t in c.turns)]
     assert len(windowed) >= 3
-    for conv in windowed[:8]:
-        alone = kvdiag.explain_conversation([str(tmp_path)], conv.conversation_id)
-        assert [t.__dict__ for t in alone.turns] == [t.__dict__ for t in conv.turns]
+    _assert_one_conversation_as_all(tmp_path, windowed[:8])
