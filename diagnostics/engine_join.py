@@ -74,7 +74,8 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
     ``merged``: several proxy logs, their lines ordered by ``po``)."""
     only_sql = "true" if only is None else f"cconv = {sql_str(only)}"
     lengths = " UNION ALL ".join(f"SELECT {n} AS len" for n in HASH_PREFIX_LENGTHS)
-    request_order, request_order_by = ("gpo, inner_key", "gpo, inner_key") if merged else ("po AS gpo", "po")
+    # (a conversation's requests in time: with several proxy logs, px_order's order within a shared stamp)
+    keys, request_order = (", gpo, inner_key", "gpo, inner_key") if merged else ("", "po")
     return [
         *MACROS,
         # roles: a vLLM file's name, else P's own lines
@@ -143,8 +144,8 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
         # the k-th request of a conversation no event names is turn k, unless an event holds that number (only
         # those that clash are numbered after the last turn)
         f"""CREATE TEMP TABLE px_new AS
-           WITH q AS (SELECT rid, conv, po, {request_order}, row_number() OVER (PARTITION BY conv ORDER BY
-                        {request_order_by}) AS k FROM {"px_order" if merged else "px_req WHERE conv IS NOT NULL"}),
+           WITH q AS (SELECT rid, conv, po{keys}, row_number() OVER (PARTITION BY conv ORDER BY {request_order}) AS k
+                      FROM {"px_order" if merged else "px_req WHERE conv IS NOT NULL"}),
            taken AS (SELECT conv, turn FROM slot_src WHERE rid IS NOT NULL),
            pick AS (SELECT q.*, EXISTS (SELECT 1 FROM taken t WHERE t.conv = q.conv AND t.turn = q.k) AS clash FROM q
                     WHERE rid NOT IN (SELECT rid FROM slot_src WHERE rid IS NOT NULL))
@@ -152,7 +153,7 @@ def join_sql(only: str | None, *, merged: bool = False) -> list[str]:
            UNION ALL SELECT rid, conv, po,
                greatest(coalesce((SELECT max(turn) FROM taken t WHERE t.conv = c.conv), 0),
                         coalesce((SELECT max(p2.k) FROM pick p2 WHERE p2.conv = c.conv AND NOT p2.clash), 0))
-               + row_number() OVER (PARTITION BY conv ORDER BY {request_order_by})
+               + row_number() OVER (PARTITION BY conv ORDER BY {request_order})
            FROM pick c WHERE clash""",
         """INSERT INTO slot_src SELECT rid, conv, turn, 1e12 + po, 1 FROM px_new""",
         # ---- slots, numbered in the order they were made: the events' and requests' ones before the statistics

@@ -192,8 +192,8 @@ _STAMP: Final = (", left(t, 10) || ' ' || substr(t, 12, 8) || replace(substr(t, 
 def _in_time(rows: str) -> str:
     """``rows`` (pl's lines of several proxy logs: a router's replicas, each logging the requests it served) with
     ``po``, their place in time: the latest stamp of its log up to the line (a log's own order always holds, a
-    clock stepping back included), ties between logs broken by the logs' order; ``stamp`` stays (the requests' order
-    within one stamp reads it). The reference proxy stamps whole seconds: within one, the logs' order decides."""
+    clock stepping back included), ties between logs broken by the logs' order; ``stamp`` stays (a conversation's
+    requests that share one across the logs are ordered again by the correlation's px_order)."""
     return ("SELECT * EXCLUDE (tmax), row_number() OVER (ORDER BY tmax, f, n) AS po FROM (SELECT *, "
             f"max(stamp) OVER (PARTITION BY f ORDER BY n ROWS UNBOUNDED PRECEDING) AS tmax FROM ({rows}))")
 
