@@ -266,12 +266,12 @@ _REPLICAS_ORDER_SQL: Final = """CREATE TEMP TABLE px_order AS
              JOIN froles fr USING (f)
              WHERE fr.role = 'prefill' AND v.kind IN ('received_request', 'added_request') AND v.request_id IS NOT NULL
              GROUP BY 1),
-    -- the request of the same stamp whose handle a request was offered, and the chains those links make
+    -- the request of the same stamp whose handle a request was offered, and the chains those links make (each
+    -- request has one such link at most, so the chains from the unlinked ones end; a cycle is never reached)
     link AS (SELECT t.rid, p.rid AS prev FROM t JOIN t p ON p.gid = t.gid
              AND p.rid = hrid(t.offered) AND p.rid <> t.rid),
     depth AS (SELECT rid, 0 AS d FROM t WHERE rid NOT IN (SELECT rid FROM link)
-              UNION ALL SELECT l.rid, depth.d + 1 FROM link l JOIN depth ON l.prev = depth.rid
-              WHERE depth.d < 1000),
+              UNION ALL SELECT l.rid, depth.d + 1 FROM link l JOIN depth ON l.prev = depth.rid),
     g AS (SELECT t.*, r.ppos, (d.d::BIGINT << 40) + t.po AS ckey, min(t.po) OVER (PARTITION BY t.gid) AS gpo
           FROM t LEFT JOIN recv r ON r.rid = t.rid LEFT JOIN depth d ON d.rid = t.rid),
     gl AS (SELECT *, lag(ppos) OVER lw AS log_prev, lag(ckey) OVER lw AS log_prev_c FROM g

@@ -16,3 +16,13 @@ def load_gen_logs() -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+# the generator's kvdiag event files: without them a set is what an unmodified deployment leaves
+EVENT_FILES = ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl")
+
+
+def stock_only(out: Path) -> None:
+    """Remove a generated set's event files, leaving its stock logs."""
+    for name in EVENT_FILES:
+        (out / name).unlink()

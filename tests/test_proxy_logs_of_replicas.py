@@ -14,12 +14,11 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from gen_logs_support import load_gen_logs
+from gen_logs_support import load_gen_logs, stock_only
 
 import kvdiag
 from kvdiag.diagnostics.records import ConversationRecord
 
-_EVENT_FILES = ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl")
 _RID = re.compile(r": \[([0-9a-f]+)\] (?:conv=(.*?): )?")
 _STORED = re.compile(r"cached D blocks \(remote_request_id=(?:chat)?cmpl-([0-9a-f]+)-")
 _HEAD = re.compile(r": conv=(.*?): (?:cache HIT|cache MISS|stale cache entry)")
@@ -89,8 +88,7 @@ def _verdicts(folder: Path) -> dict[tuple[str, int], tuple[str, str | None, floa
 def _stock_set(folder: Path, size: int, seed: int, **options: float) -> None:
     """A generated run's stock logs alone (the proxy's lines alone order a conversation's requests)."""
     load_gen_logs().generate(folder, size, seed=seed, noise_per_turn=1, **options)
-    for name in _EVENT_FILES:
-        (folder / name).unlink()
+    stock_only(folder)
 
 
 def _assert_one_conversation_as_all(folder: Path, conversations: list[ConversationRecord]) -> None:

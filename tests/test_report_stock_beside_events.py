@@ -17,7 +17,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 import pytest
-from gen_logs_support import load_gen_logs
+from gen_logs_support import load_gen_logs, stock_only
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -226,16 +226,11 @@ def _array_line_in_stats(out: Path) -> None:
     (out / "client-stats.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def _stock_only(out: Path) -> None:
-    for name in ("client.jsonl", "router-events.jsonl", "prefill-events.jsonl"):
-        (out / name).unlink()
-
-
 DECLINES: dict[str, Callable[[Path], None]] = {
     "stats with explicit turns": _explicit_turns, "stats for no event's conversation": _orphan_stats,
     "tied stats": _tied_stats, "WAITING_FOR_REMOTE_KVS lines": _hang_lines, "CR-continued vLLM line": _cr_vllm,
     "hashed proxy conversation": _hashed_proxy_conv, "proxy request no event names": _unknown_proxy_request,
-    "invalid UTF-8": _bad_utf8_proxy, "stock logs alone": _stock_only, "array line in stats": _array_line_in_stats,
+    "invalid UTF-8": _bad_utf8_proxy, "stock logs alone": stock_only, "array line in stats": _array_line_in_stats,
     "CR inside a proxy line": _lone_cr_proxy,
 }
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -176,9 +175,8 @@ async def serve(opts: Options) -> None:
     """Run one engine until SIGTERM/SIGINT (the ready file appears once it listens)."""
     # (the engine's scratch folder, its process group's rendezvous file in it, goes when the engine stops: each
     # start left one behind before)
-    work = Path(tempfile.mkdtemp(prefix=f"kvdiag-vllm-{opts.role}-"))
-    try:
-        backend = VllmBackend(opts, work)
+    with tempfile.TemporaryDirectory(prefix=f"kvdiag-vllm-{opts.role}-", ignore_cleanup_errors=True) as scratch:
+        backend = VllmBackend(opts, Path(scratch))
         runner, port = await api.listen(make_app(backend), opts.host, opts.port)
         if opts.ready_file:
             write_ready_file(opts.ready_file, {"port": port, "side_channel_port": backend.engine.side_channel_port,
@@ -191,8 +189,6 @@ async def serve(opts: Options) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await runner.cleanup()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def run(opts: Options) -> None:
