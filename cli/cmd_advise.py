@@ -4,32 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
-from rich.markup import escape
-from rich.text import Text
 
+from kvdiag.cli.cmd_explain import output_console
 from kvdiag.cli.main import single_thread_blas
-from kvdiag.cli.report_inputs import PATH, advice_console, cache_options, load_table, writing
-
-if TYPE_CHECKING:
-    from kvdiag.diagnostics.advise import Advice
-
-
-def _print_advice(adv: Advice) -> None:
-    console = advice_console()
-    console.print("[bold]Decode TTL[/]")
-    console.print(Text(adv.ttl.summary))
-    console.print("[bold]kv_recompute_threshold[/]")
-    console.print(Text(adv.threshold.summary))
-    console.print("[bold]Configuration checks[/]")
-    styles = {"ok": "green", "warning": "yellow", "error": "red", "missing_data": "dim", "info": "cyan"}
-    for c in adv.checks:
-        fix = f"  fix: {c.fix}" if c.fix and c.severity != "ok" else ""
-        # messages quote log lines and config keys: escaped, so "[...]" is printed, not read as markup
-        console.print(f"[{styles[c.severity]}]{c.severity:>12}[/] {escape(f'{c.id}: {c.message}{fix}')}",
-                      highlight=False)
+from kvdiag.cli.report_inputs import PATH, cache_options, load_table, writing
 
 
 @click.command("advise")
@@ -42,15 +22,18 @@ def _print_advice(adv: Advice) -> None:
               help="The router's handle TTL in seconds, used when the router's logs do not show it.")
 @click.option("--kv-bytes-per-token", type=click.FloatRange(min=0, min_open=True),
               help="KV bytes per token, when the logs hold no D->P transfer sizes.")
+@click.option("--width", type=click.IntRange(min=40), metavar="COLUMNS",
+              help="Render for this many columns [default: the terminal's; piped: $COLUMNS, else 120].")
 @cache_options
 def advise_cmd(logs: tuple[str, ...], as_json: bool, html_path: Path | None, decoder_ttl: float | None,
-               router_ttl: float | None, kv_bytes_per_token: float | None, cache_dir: Path, no_cache: bool,
-               no_progress: bool, events_only: bool) -> None:
+               router_ttl: float | None, kv_bytes_per_token: float | None, width: int | None, cache_dir: Path,
+               no_cache: bool, no_progress: bool, events_only: bool) -> None:
     """Recommend the decode TTL and kv_recompute_threshold, and check the configuration, from LOGS."""
     # (imported here: ``kvdiag advise --help`` does not load pandas, pyarrow and DuckDB)
     with single_thread_blas():
         from kvdiag.diagnostics.advise import advise  # noqa: PLC0415
         from kvdiag.diagnostics.html_report import write_html_report  # noqa: PLC0415
+        from kvdiag.diagnostics.terminal_report import advice_renderables  # noqa: PLC0415
 
     table, cfg = load_table(logs, cache_dir, no_cache, no_progress, events_only)
     if not table.num_rows:
@@ -60,7 +43,9 @@ def advise_cmd(logs: tuple[str, ...], as_json: bool, html_path: Path | None, dec
     if as_json:
         click.echo(json.dumps(adv.to_json_dict(), indent=2))
     else:
-        _print_advice(adv)
+        console = output_console(width, wide=False)
+        for part in advice_renderables(adv):
+            console.print(part)
     if html_path is not None:
         with writing():
             out = write_html_report(table, html_path, advice=adv)

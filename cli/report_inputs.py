@@ -15,7 +15,6 @@ from kvdiag.diagnostics.terminal_safe import printable, safe_console
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from rich.console import Console
 
     from kvdiag.diagnostics.advise_config import DeploymentConfig
 
@@ -81,12 +80,6 @@ def writing() -> Iterator[None]:
     except OSError as exc:
         what = f"{exc.filename}: {exc.strerror or exc}" if exc.filename else f"an output file: {exc}"
         raise click.ClickException(f"cannot write {what}. Pick a writable path in an existing folder.") from None
-
-
-def advice_console() -> Console:
-    """The console advice is printed on."""
-    # Piped output gets a wide page so the advice lines are not cut to 80 characters.
-    return safe_console() if sys.stdout.isatty() else safe_console(width=160)
 
 
 def cache_options(f: Callable[..., None]) -> Callable[..., None]:

@@ -275,7 +275,7 @@ def advise_ttl(df: pd.DataFrame, cfg: DeploymentConfig, bytes_per_token: float |
 def _ttl_summary(a: TTLAdvice) -> str:
     if a.current_s is None or a.share_after_expiry is None:
         return "No TTL recommendation: need " + "; ".join(a.missing)
-    parts = [f"{a.share_after_expiry:.1%} of {a.gaps_known} later turns arrived after D's blocks expired "
+    parts = [f"{a.share_after_expiry:.1%} of {a.gaps_known:,} later turns arrived after D's blocks expired "
              f"(TTL {a.current_s:g} s{_cost(a, 'current')})."]
     if a.recommended_s["p90"] is None:
         return " ".join([*parts, "No TTL recommendation: need", "; ".join(a.missing)])
@@ -353,7 +353,7 @@ def _feature_checks(df: pd.DataFrame, later: pd.DataFrame, cfg: DeploymentConfig
         elif hits:
             # A D->P read needs D to retain and return params and P to read them: both sides are on.
             out.append(Finding(f"bidirectional_{side}", "ok",
-                               f"bidirectional_kv_xfer is on on {side} ({hits} turns read KV back from D).",
+                               f"bidirectional_kv_xfer is on on {side} ({hits:,} turns read KV back from D).",
                                data={"remote_hit_turns": hits}))
         else:
             out.append(Finding(f"bidirectional_{side}", "missing_data",
@@ -361,18 +361,25 @@ def _feature_checks(df: pd.DataFrame, later: pd.DataFrame, cfg: DeploymentConfig
                                f"Include the {side} engine's startup log (INFO)."))
     if not_streamed:
         out.append(Finding("streaming_params", "error",
-                           f"{not_streamed} turns followed a streamed decode response without kv_transfer_params.",
+                           f"{not_streamed:,} turns followed a streamed decode response without kv_transfer_params.",
                            "Apply vLLM PR #40186 on D (streamed final chunk carries kv_transfer_params).",
                            {"turns": not_streamed}))
     elif hits:
         out.append(Finding("streaming_params", "ok", "Decode responses carried kv_transfer_params."))
     else:
-        out.append(Finding("streaming_params", "missing_data", "No later turn reused KV, so params delivery is "
-                           "unproven.", "Run explain on a later turn to see why it missed."))
+        unknown = int(((df["verdict"] == Verdict.UNKNOWN.value) & (df["turn"] > 1)).sum())
+        # (stock logs at INFO show no successful D->P read: those turns are unknown, not misses)
+        seen = (f"No later turn was shown to reuse KV ({unknown:,} later turns are unknown)" if unknown
+                else "No later turn reused KV")
+        fix = ("Decide the unknown turns: run P with VLLM_LOGGING_LEVEL=DEBUG or load kvdiag's connector on P "
+               "(explain names what each turn lacks)." if unknown else "Run explain on a later turn to see why it "
+               "missed.")
+        out.append(Finding("streaming_params", "missing_data", f"{seen}, so params delivery is unproven.", fix,
+                           {"unknown_turns": unknown}))
     no_id = _count(df, Verdict.NO_CONVERSATION_ID)
     if no_id:
         out.append(Finding("conversation_ids", "warning",
-                           f"{no_id} turns ({no_id / max(len(df), 1):.1%}) carried no conversation_id.",
+                           f"{no_id:,} turns ({no_id / max(len(df), 1):.1%}) carried no conversation_id.",
                            "Send a top-level conversation_id (benchmark: --send-conversation-id).", {"turns": no_id}))
     else:
         out.append(Finding("conversation_ids", "ok", "Every turn carried a conversation_id."))
@@ -421,13 +428,13 @@ def _policy_checks(df: pd.DataFrame, cfg: DeploymentConfig) -> list[Finding]:
     if policy == "recompute" or hung or cfg.recompute_hang is not None:
         return [Finding("kv_load_failure_policy", "error",
                         f"kv_load_failure_policy=recompute: vLLM 0.33 can hang the request in WAITING_FOR_REMOTE_KVS "
-                        f"after a declined or failed D->P read ({hung} hung turns seen).",
+                        f"after a declined or failed D->P read ({hung:,} hung turns seen).",
                         "Use kv_load_failure_policy=fail and keep reads from expiring (router TTL < decode TTL − 5 s), "
                         "or upgrade to a vLLM release that fixes the hang.", data)]
     if policy == "fail" or (policy is None and failed):
         return [Finding("kv_load_failure_policy", "warning" if len(bad_reads) else "ok",
                         f"kv_load_failure_policy=fail (vLLM's default): every expired or failed D->P read fails the "
-                        f"turn ({len(bad_reads)} such reads in these logs).",
+                        f"turn ({len(bad_reads):,} such reads in these logs).",
                         "Prevent expired reads (router TTL below decode TTL − 5 s) and fix transfer failures.", data)]
     return [Finding("kv_load_failure_policy", "missing_data",
                     f"kv_load_failure_policy not seen in the logs (vLLM's default is {VLLM_DEFAULT_FAILURE_POLICY}: "

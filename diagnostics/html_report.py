@@ -98,6 +98,8 @@ def render_report_html(report: Report, advice: Advice | None = None, title: str 
     later = report.first_vs_later.row("later") or {}
     meta = (f"{report.turns:,} turns in {report.conversations:,} conversations · "
             f"later turns reused: {later.get('reused_share') or 0:.1%}")
+    if later.get("unknown_share"):
+        meta += f" ({later['unknown_share']:.1%} unknown)"
     if g.share_over_ttl is not None:
         meta += f" · later turns after the decode TTL: {g.share_over_ttl:.1%}"
     body = [

@@ -217,19 +217,23 @@ def transfer_section(tt: TurnTable) -> Section:
 
 
 def first_later_section(tt: TurnTable) -> Section:
-    """First turns (nothing to retrieve) against later turns: counts, reuse share, TTFT."""
-    got = {label: (int(n), int(reused or 0), ttft, prompt) for label, n, reused, ttft, prompt
-           in tt.rows_with_arrays(f"""SELECT CASE WHEN turn = 1 THEN 'first' ELSE 'later' END, count(*),
-                                 count(*) FILTER (WHERE coalesce(reused, false)),
-                                 list(CAST(ttft_ms AS DOUBLE)) FILTER (WHERE {_known('ttft_ms')}),
-                                 list(CAST(prompt_tokens AS DOUBLE)) FILTER (WHERE {_known('prompt_tokens')})
-                          FROM t WHERE turn >= 1 GROUP BY 1""")}
+    """First turns (nothing to retrieve) against later turns: counts, reuse share, the share the logs leave
+    unknown (reused or not: ``reused_share`` counts only what they prove), TTFT."""
+    query = f"""SELECT CASE WHEN turn = 1 THEN 'first' ELSE 'later' END, count(*),
+                 count(*) FILTER (WHERE coalesce(reused, false)),
+                 count(*) FILTER (WHERE verdict = '{Verdict.UNKNOWN.value}'),
+                 list(CAST(ttft_ms AS DOUBLE)) FILTER (WHERE {_known('ttft_ms')}),
+                 list(CAST(prompt_tokens AS DOUBLE)) FILTER (WHERE {_known('prompt_tokens')})
+               FROM t WHERE turn >= 1 GROUP BY 1"""
+    got = {label: (int(n), int(reused or 0), int(unknown or 0), ttft, prompt)
+           for label, n, reused, unknown, ttft, prompt in tt.rows_with_arrays(query)}
     rows = []
     for label in ("first", "later"):
-        n, reused, ttft, prompt = got.get(label, (0, 0, np.empty(0), np.empty(0)))
-        rows.append((label, (n, round(reused / n, 4) if n else None, quantile(ttft, 0.5), quantile(ttft, 0.95),
-                             quantile(prompt, 0.5))))
-    return Section("turns", ("n", "reused_share", "ttft_p50_ms", "ttft_p95_ms", "prompt_tokens_p50"), tuple(rows))
+        n, reused, unknown, ttft, prompt = got.get(label, (0, 0, 0, np.empty(0), np.empty(0)))
+        rows.append((label, (n, round(reused / n, 4) if n else None, round(unknown / n, 4) if n else None,
+                             quantile(ttft, 0.5), quantile(ttft, 0.95), quantile(prompt, 0.5))))
+    return Section("turns", ("n", "reused_share", "unknown_share", "ttft_p50_ms", "ttft_p95_ms", "prompt_tokens_p50"),
+                   tuple(rows))
 
 
 @dataclass

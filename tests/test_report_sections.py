@@ -94,6 +94,7 @@ def _first_later(df: pd.DataFrame) -> list[dict[str, Any]]:
     for label, part in (("first", df[df["turn"] == 1]), ("later", df[df["turn"] > 1])):
         n = len(part)
         rows.append({"turns": label, "n": n, "reused_share": round(float(part["reused"].mean()), 4) if n else None,
+                     "unknown_share": round(float((part["verdict"].astype(str) == "unknown").mean()), 4) if n else None,
                      "ttft_p50_ms": _q(part["ttft_ms"], 0.5), "ttft_p95_ms": _q(part["ttft_ms"], 0.95),
                      "prompt_tokens_p50": _q(part["prompt_tokens"].astype("float64"), 0.5)})
     return rows
