@@ -1,8 +1,9 @@
 """The router's aiohttp application and its lifecycle.
 
 Routes (drop-in for vLLM's ``disagg_proxy_multiturn.py``): ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text, or OpenMetrics with
-exemplars when the scraper asks for it).
+``POST /v1/completions``, ``GET /health`` (also as ``/healthcheck``, the one-way example proxy's name),
+``GET /v1/models`` (the engines' list: OpenAI clients and ``vllm bench serve`` without ``--model`` ask for it),
+``GET /metrics`` (Prometheus text, or OpenMetrics with exemplars when the scraper asks for it).
 
 Usage::
 
@@ -30,10 +31,11 @@ from prometheus_client.exposition import choose_encoder
 
 from kvdiag.router.config import RouterConfig
 from kvdiag.router.flow import TurnFlow
+from kvdiag.router.leg_messages import openai_error
 from kvdiag.router.store import MemoryStore, RedisStore, Store, StoreError
 from kvdiag.router.store_cluster import CLUSTER_SCHEMES, ClusterStore
 from kvdiag.router.telemetry import EVENT_FLUSH_INTERVAL, RouterTelemetry
-from kvdiag.router.upstream import Upstreams
+from kvdiag.router.upstream import LegError, Upstreams
 from kvdiag.schema.process import wait_for_stop_signal, write_ready_file
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 _logger = logging.getLogger(__name__)
 
+MODELS_TIMEOUT: Final = 10.0  # seconds one engine gets to list its models
 SWEEP_INTERVAL: Final = 5.0  # seconds between store sweeps (expired handles, size gauge)
 CLIENT_MAX_SIZE: Final = 256 << 20  # long multi-turn prompts are large JSON bodies
 
@@ -83,6 +86,8 @@ class RouterApp:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/healthcheck", self.health)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -145,6 +150,27 @@ class RouterApp:
         body = {"status": "ok" if size >= 0 else "store_unavailable", "cached_conversations": max(size, 0),
                 "evicted_stale": int(self._evicted_ttl() - before)}
         return web.json_response(body, status=200 if size >= 0 else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the list of the first D (else P) that answers, as that engine sent it (P and D of one
+        deployment serve the same model)."""
+        headers = self.flow.auth_header(request)
+        failures = []
+        for leg in ("decode", "prefill"):
+            for index in self.upstreams.listing_order(leg):
+                try:
+                    status, body, content_type = await self.upstreams.get(leg, index, "/v1/models", headers,
+                                                                          MODELS_TIMEOUT)
+                except LegError as exc:
+                    failures.append(str(exc))
+                    continue
+                if status >= 500:
+                    failures.append(f"{leg} {self.upstreams.address(leg, index)} answered HTTP {status}")
+                    continue
+                self.telemetry.request("models", status)
+                return web.Response(body=body, status=status, headers={"Content-Type": content_type})
+        self.telemetry.request("models", 502)
+        return openai_error("no P or D instance listed its models: " + "; ".join(failures), 502)
 
     def _evicted_ttl(self) -> float:
         value = self.telemetry.registry.get_sample_value("kvdiag_store_evictions_total", {"reason": "ttl"})

@@ -331,6 +331,11 @@ class TurnFlow:
         else:
             log.miss(state.request_id, conv)
 
+    def auth_header(self, request: web.Request) -> dict[str, str]:
+        """The Authorization P and D get for ``request``: the client's, else ``$OPENAI_API_KEY``'s (none without)."""
+        auth = request.headers.get("Authorization") or self._env_auth
+        return {"Authorization": auth} if auth else {}
+
     def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         auth = request.headers.get("Authorization") or self._env_auth

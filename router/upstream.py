@@ -212,6 +212,22 @@ class Upstreams:
                 from None
         return check_json_response("prefill", str(url), status, raw, content_type)
 
+    def listing_order(self, leg: str) -> list[int]:
+        """Indexes of ``leg`` for a request no turn rides on (healthy ones first; the round-robin cursor, which
+        places turns, does not move)."""
+        return self.health.order(leg, list(range(len(self.prefill if leg == "prefill" else self.decode))))
+
+    async def get(self, leg: str, index: int, path: str, headers: dict[str, str], timeout: float
+                  ) -> tuple[int, bytes, str]:
+        """``GET path`` of one instance: its status, body and content type; LegError when it does not answer."""
+        url = self._url(leg, index, path)
+        try:
+            async with self.session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(
+                    total=timeout, sock_connect=self._config.connect_timeout)) as resp:
+                return resp.status, await resp.read(), resp.headers.get("Content-Type", "application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise LegError(leg, "connect", f"GET {url} failed: {type(exc).__name__}: {exc}", reached=False) from None
+
     async def tokenize(self, index: int, body: bytes, headers: dict[str, str], timeout: float) -> list[int]:
         """P ``index``'s ``/tokenize`` of a prompt; raise LegError when it cannot answer."""
         url = self._url("prefill", index, "/tokenize")

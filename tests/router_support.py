@@ -96,6 +96,7 @@ class FakeBackend:
     d_chunks: int = 3
     d_delay: float = 0.0
     d_linger: float = 0.0  # seconds D keeps the stream open after [DONE] (a slow upstream close)
+    models_status: int = 200  # what GET /v1/models answers (401: as vLLM with --api-key and no key)
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     aborted: int = 0
@@ -106,6 +107,7 @@ class FakeBackend:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
+        app.router.add_get("/v1/models", self._models)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -116,6 +118,13 @@ class FakeBackend:
     async def close(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.headers.append({k.title().replace("Id", "ID"): v for k, v in request.headers.items()})
+        if self.models_status != 200:
+            return web.json_response({"error": {"message": "no", "type": "x", "param": None,
+                                                "code": self.models_status}}, status=self.models_status)
+        return web.json_response({"object": "list", "data": [{"id": f"{self.role}-model", "object": "model"}]})
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -156,6 +156,20 @@ async def test_client_params_are_dropped(tmp_path: Path) -> None:
         assert ev["attrs"]["client_kv_transfer_params_dropped"] is True
 
 
+async def test_model_list_carries_the_key_and_the_engine_answer(tmp_path: Path) -> None:
+    async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path) as r, aiohttp.ClientSession() as s:
+        async with s.get(r.url + "/v1/models", headers={"Authorization": "Bearer tenant-a"}) as resp:
+            assert resp.status == 200 and (await resp.json())["data"][0]["id"] == "decode-model"
+        assert ds[0].headers[-1]["Authorization"] == "Bearer tenant-a" and not ps[0].headers
+        # a client error is the engine's answer to give (a wrong key), not a failure to try P for
+        ds[0].models_status = 401
+        async with s.get(r.url + "/v1/models") as resp:
+            assert resp.status == 401 and not ps[0].headers
+        ds[0].models_status = 503
+        async with s.get(r.url + "/v1/models") as resp:
+            assert resp.status == 200 and (await resp.json())["data"][0]["id"] == "prefill-model"
+
+
 async def test_tenants_never_share_handles(tmp_path: Path) -> None:
     async with fake_backends() as (ps, ds), router_for(ps, ds, tmp_path) as r:
         await _post(r.url, _chat("hi"), headers={"Authorization": "Bearer tenant-a"})

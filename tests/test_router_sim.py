@@ -384,6 +384,41 @@ async def test_openai_sdk_streaming_and_not(tmp_path: Path) -> None:
         assert ev3["attrs"]["endpoint"] == "completions" and ev3["outcome"] == "first_turn"
 
 
+async def test_model_list_and_healthcheck_as_clients_ask_for_them(tmp_path: Path) -> None:
+    # OpenAI clients (and `vllm bench serve` without --model) list the models first; the one-way example proxy
+    # calls its health route /healthcheck
+    async with sim_bed(tmp_path) as bed:
+        assert bed.router is not None and bed.session is not None
+        async with bed.session.get(f"http://127.0.0.1:{bed.ds[0].port}/v1/models") as resp:
+            from_d = await resp.json()
+        async with bed.session.get(bed.router.url + "/v1/models") as resp:
+            assert resp.status == 200 and await resp.json() == from_d
+        async with openai.AsyncOpenAI(base_url=bed.router.url + "/v1", api_key="sk-test", max_retries=0) as client:
+            assert [m.id async for m in client.models.list()] == [MODEL]
+        for route in ("/health", "/healthcheck"):
+            async with bed.session.get(bed.router.url + route) as resp:
+                assert resp.status == 200 and set(await resp.json()) == {"status", "cached_conversations",
+                                                                         "evicted_stale"}
+        samples = bed.router.app.telemetry.registry.get_sample_value
+        assert samples("kvdiag_router_requests_total", {"endpoint": "models", "code": "200"}) == 2
+        # D gone: P lists them; both gone: a 502 in OpenAI's error shape that says what failed
+        p_port, gone = bed.ps[0].port, free_port()
+        for prefill, want in ((p_port, 200), (free_port(), 502)):
+            router = await start_router(RouterConfig(prefill=(Upstream("127.0.0.1", prefill),),
+                                                     decode=(Upstream("127.0.0.1", gone),), host="127.0.0.1",
+                                                     port=0, connect_timeout=2))
+            try:
+                async with bed.session.get(router.url + "/v1/models") as resp:
+                    body = await resp.json()
+                    assert resp.status == want, body
+                    if want == 200:
+                        assert body == from_d
+                    else:
+                        assert body["error"]["code"] == 502 and str(gone) in body["error"]["message"]
+            finally:
+                await router.close()
+
+
 async def test_decode_engine_killed_mid_stream_and_decode_5xx(tmp_path: Path) -> None:
     ready = tmp_path / "d.ready"
     d_proc = subprocess.Popen([str(Path(sys.executable).parent / "kvdiag"), "sim", "decode", "--port", "0",
