@@ -182,10 +182,13 @@ def _groups(tt: TurnTable, keys: str, values: str, where: str) -> dict[Any, np.n
 
 def ttft_section(tt: TurnTable) -> Section:
     """TTFT p50/p95 of later turns, reused vs recomputed, per prompt-length bucket (the article's table)."""
-    # (a failed turn's TTFT is the time to its error: among the recomputed ones it would pass for a fast prefill)
+    # (a failed turn's TTFT is the time to its error: among the recomputed ones it would pass for a fast prefill;
+    # an unknown turn may have been either, and stock logs at INFO leave every hit unknown: counted as recomputed,
+    # they would pull its TTFT towards the reused one's and hide the speed-up)
     groups = _groups(tt, "prompt_bucket, coalesce(reused, false)", "ttft_ms",
                      f"turn > 1 AND {_known('ttft_ms')} AND prompt_bucket IS NOT NULL "
-                     f"AND verdict IS DISTINCT FROM '{Verdict.REQUEST_FAILED.value}'")
+                     f"AND coalesce(verdict NOT IN ('{Verdict.REQUEST_FAILED.value}', '{Verdict.UNKNOWN.value}'), "
+                     "true)")
     cols = ("reused_n", "reused_p50_ms", "reused_p95_ms", "recomputed_n", "recomputed_p50_ms", "recomputed_p95_ms",
             "speedup_p50")
     rows = []

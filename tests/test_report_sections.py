@@ -62,7 +62,7 @@ def _mix(df: pd.DataFrame, by: str) -> list[dict[str, Any]]:
 
 def _ttft(df: pd.DataFrame) -> list[dict[str, Any]]:
     later = df[(df["turn"] > 1) & df["ttft_ms"].notna() & df["prompt_bucket"].notna()
-               & (df["verdict"] != "request_failed")]
+               & ~df["verdict"].isin(["request_failed", "unknown"])]
     rows = []
     for bucket in PROMPT_BUCKETS:
         row: dict[str, Any] = {"prompt_bucket": bucket}
