@@ -32,7 +32,7 @@ from kvdiag.diagnostics.humanize import (
 from kvdiag.diagnostics.records import ConversationRecord, ConversationSummary, TurnRecord
 from kvdiag.diagnostics.terminal_safe import safe_console
 from kvdiag.diagnostics.terminal_table import QuickTable
-from kvdiag.schema.verdicts import TRIM_INFO, Confidence, TrimInfo, TrimReason
+from kvdiag.schema.verdicts import TRIM_INFO, Confidence, TrimInfo, TrimReason, Verdict
 
 INFERRED_MARK: Final = "*"
 MAX_EVIDENCE: Final = 2  # key evidence lines per turn in the compact view
@@ -303,7 +303,13 @@ def explain_all_renderables(convs: Sequence[ConversationSummary], *, wide: bool 
 
     # (one row per conversation, tens of thousands: kept as strings, laid out without a Text per cell)
     rows = [(c.conversation_id, str(len(c.turns)), verdicts(c)) for c in convs]
-    return [QuickTable(summary), QuickTable(table, rows, (Text(), cell(""), Text()))]
+    out: list[RenderableType] = [QuickTable(summary)]
+    if counts[Verdict.UNKNOWN.value]:
+        # (stock vLLM at INFO logs no successful D->P read: a run's hits are all unknown, and read as no reuse)
+        out.append(Text(f"{human_count(counts[Verdict.UNKNOWN.value])} turns are unknown: the logs do not decide "
+                        "them (reused or not). Explain one with --conversation-id ID for what it lacks.",
+                        style="dim"))
+    return [*out, QuickTable(table, rows, (Text(), cell(""), Text()))]
 
 
 def _runs(values: Iterable[str]) -> list[tuple[str, int]]:

@@ -127,6 +127,19 @@ def test_explain_all_keeps_verdicts_whole(width: int) -> None:
     assert not _split_tokens(text, sorted({t.verdict.value for c in convs for t in c.turns}))
 
 
+def test_explain_all_says_what_unknown_turns_are() -> None:
+    convs = synthetic_conversations(SynthParams(conversations=5, seed=3))
+    convs[0].turns[-1].verdict = convs[1].turns[-1].verdict = Verdict.UNKNOWN
+    n = sum(t.verdict is Verdict.UNKNOWN for c in convs for t in c.turns)
+    text = " ".join(render_text(explain_all_renderables([c.summary() for c in convs]), 100).split())
+    assert f"{n} turns are unknown: the logs do not decide them" in text
+    for c in convs:  # the control: none unknown, nothing said
+        for t in c.turns:
+            if t.verdict is Verdict.UNKNOWN:
+                t.verdict = Verdict.TRANSFER_FAILED
+    assert "are unknown" not in render_text(explain_all_renderables([c.summary() for c in convs]), 100)
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_report_sections_fit_and_keep_numbers_whole(width: int) -> None:
     convs = synthetic_conversations(SynthParams(conversations=120, seed=11, trim_share=0.4,
