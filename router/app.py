@@ -154,7 +154,8 @@ class RouterApp:
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the list of the first D (else P) that answers, as that engine sent it (P and D of one
         deployment serve the same model)."""
-        headers = self.flow.auth_header(request)
+        # (the body is passed on as the engine sent it: asked for uncompressed, as the router's client reads it)
+        headers = {**self.flow.auth_header(request), "Accept-Encoding": "identity"}
         failures = []
         for leg in ("decode", "prefill"):
             for index in self.upstreams.listing_order(leg):

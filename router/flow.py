@@ -337,10 +337,7 @@ class TurnFlow:
         return {"Authorization": auth} if auth else {}
 
     def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        auth = request.headers.get("Authorization") or self._env_auth
-        if auth:
-            headers["Authorization"] = auth
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id, **self.auth_header(request)}
         if self.tracing is None:
             # Tracing off: still carry the client's trace context to P and D.
             for name in TRACE_HEADERS:
