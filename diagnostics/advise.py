@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.diagnostics.advise_config import ConfigFact, DeploymentConfig
+from kvdiag.diagnostics.humanize import human_bytes
 from kvdiag.diagnostics.records import ConversationRecord
 from kvdiag.diagnostics.report import TurnData, as_frame, build_turn_table, open_turns
 from kvdiag.diagnostics.report_sections import EXPIRY_SAFETY_MARGIN_S
@@ -200,7 +201,8 @@ def advise_threshold(df: pd.DataFrame, cfg: DeploymentConfig, bytes_per_token: f
     adv.recommended_tokens = max(1, math.ceil(r))
     now = f" (currently {adv.current_tokens})" if adv.current_tokens is not None else ""
     adv.summary = (f"A D->P read costs {overhead:.2f} ms + {xfer_ms_per_token:.4f} ms/token "
-                   f"({gbps:.2f} GB/s, {bytes_per_token:.0f} B/token); recompute costs {per_token:.4f} ms/token. "
+                   f"({gbps:.2f} GB/s, {human_bytes(bytes_per_token)} a token); recompute costs {per_token:.4f} "
+                   "ms/token. "
                    f"Break-even at {adv.break_even_tokens} remote tokens: set kv_recompute_threshold="
                    f"{adv.recommended_tokens}{now}.")
     return adv
