@@ -369,7 +369,7 @@ def _feature_checks(df: pd.DataFrame, later: pd.DataFrame, cfg: DeploymentConfig
     elif hits:
         out.append(Finding("streaming_params", "ok", "Decode responses carried kv_transfer_params."))
     else:
-        unknown = int(((df["verdict"] == Verdict.UNKNOWN.value) & (df["turn"] > 1)).sum())
+        unknown = _count(later, Verdict.UNKNOWN)
         # (stock logs at INFO show no successful D->P read: those turns are unknown, not misses)
         seen = (f"No later turn was shown to reuse KV ({unknown:,} later turns are unknown)" if unknown
                 else "No later turn reused KV")

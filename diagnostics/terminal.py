@@ -304,11 +304,10 @@ def explain_all_renderables(convs: Sequence[ConversationSummary], *, wide: bool 
     # (one row per conversation, tens of thousands: kept as strings, laid out without a Text per cell)
     rows = [(c.conversation_id, str(len(c.turns)), verdicts(c)) for c in convs]
     out: list[RenderableType] = [QuickTable(summary)]
-    if counts[Verdict.UNKNOWN.value]:
+    if unknown := counts[Verdict.UNKNOWN.value]:
         # (stock vLLM at INFO logs no successful D->P read: a run's hits are all unknown, and read as no reuse)
-        out.append(Text(f"{human_count(counts[Verdict.UNKNOWN.value])} turns are unknown: the logs do not decide "
-                        "them (reused or not). Explain one with --conversation-id ID for what it lacks.",
-                        style="dim"))
+        out.append(Text(f"{human_count(unknown)} turns are unknown: the logs do not decide them (reused or not). "
+                        "Explain one with --conversation-id ID for what it lacks.", style="dim"))
     return [*out, QuickTable(table, rows, (Text(), cell(""), Text()))]
 
 
